@@ -1,0 +1,45 @@
+"""jaxamp: mixed-precision training for JAX and Flax.
+
+Precision policies, dynamic loss scaling that skips non-finite steps, and
+Tensor Core alignment. See ``shared/API.md`` for the public contract.
+"""
+
+import importlib.util as _importlib_util
+
+from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
+from jaxamp._casting import cast_floating
+from jaxamp._finite import all_finite, select_tree
+from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp._optax import (
+    LossScalingState,
+    get_loss_scale,
+    loss_scaling,
+    loss_scaling_metrics,
+)
+from jaxamp._policy import Policy, get_policy, policy_for_device
+from jaxamp._version import __version__
+
+if _importlib_util.find_spec("flax") is not None:
+    # The flax adapter registers loss scales with flax.serialization.
+    from jaxamp import _flax_serialization  # noqa: F401
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "LossScalingState",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "__version__",
+    "align_dim",
+    "all_finite",
+    "cast_floating",
+    "get_loss_scale",
+    "get_policy",
+    "loss_scaling",
+    "loss_scaling_metrics",
+    "pad_to_multiple",
+    "policy_for_device",
+    "select_tree",
+    "tensor_core_multiple",
+]

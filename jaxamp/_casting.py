@@ -1,0 +1,99 @@
+"""Casting the floating-point leaves of a pytree, and nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["canonical_float_dtype", "cast_floating"]
+
+# Types whose leaves carry a dtype that casting may change. Tracers are jax.Array
+# instances, so this covers values inside jit/grad/vmap too.
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+# Short names accepted wherever a dtype is (jmp's spellings).
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "f32": "float32",
+    "full": "float32",
+    "single": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "f16": "float16",
+    "half": "float16",  # always float16 here, unlike jmp where it depends on the platform
+    "float64": "float64",
+    "f64": "float64",
+}
+
+
+def canonical_float_dtype(dtype: Any, argument: str) -> np.dtype:
+    """Returns ``dtype`` as a floating ``np.dtype`` or raises naming ``argument``."""
+    if isinstance(dtype, str):
+        dtype = DTYPE_ALIASES.get(dtype.strip().lower(), dtype)
+    try:
+        result = jnp.dtype(dtype)
+    except TypeError as error:
+        raise TypeError(
+            f"{argument} must be a floating-point dtype such as jnp.float32, "
+            f"jnp.bfloat16 or jnp.float16; got {dtype!r} ({error})."
+        ) from None
+    if not jnp.issubdtype(result, jnp.floating):
+        raise TypeError(
+            f"{argument} must be a floating-point dtype such as jnp.float32, "
+            f"jnp.bfloat16 or jnp.float16; got {result.name}. Integer, bool and "
+            "complex values are never cast by jaxamp, so they cannot be a target."
+        )
+    return result
+
+
+def _check_x64(dtype: np.dtype) -> None:
+    # Without x64, jnp silently turns a float64 request into float32; say so instead.
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"cannot cast JAX arrays to {dtype.name}: 64-bit types are disabled. "
+            "Enable them first with jax.config.update('jax_enable_x64', True), "
+            "or use float32."
+        )
+
+
+def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
+    if not isinstance(x, _ARRAY_TYPES):
+        return x  # Python scalars, strings and other non-array leaves.
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.update(dtype=dtype)
+    if isinstance(x, jax.Array):
+        _check_x64(dtype)
+    return x.astype(dtype)
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Casts every floating-point array leaf of ``tree`` to ``dtype``.
+
+    Integer, bool, complex and PRNG-key arrays, non-array leaves (Python scalars,
+    strings) and ``None`` come back unchanged, and so does the tree structure.
+    NumPy arrays stay NumPy arrays and JAX arrays stay JAX arrays.
+
+    Args:
+      tree: any pytree.
+      dtype: a floating-point dtype (``jnp.bfloat16``, ``"float16"``, ...).
+
+    Returns:
+      A pytree of the same structure.
+
+    Raises:
+      TypeError: ``dtype`` is not a floating-point dtype.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> out = jaxamp.cast_floating({"w": jnp.ones(2), "step": jnp.int32(3)}, jnp.bfloat16)
+    >>> out["w"].dtype, out["step"].dtype
+    (dtype(bfloat16), dtype('int32'))
+    """
+    dtype = canonical_float_dtype(dtype, "dtype")
+    return jax.tree.map(lambda x: _cast_leaf(x, dtype), tree)

@@ -1,0 +1,38 @@
+"""Adapter: teaches ``flax.serialization`` to save every field of a loss scale.
+
+Imported by ``jaxamp/__init__.py`` only when flax is installed; nothing else in
+jaxamp's core imports flax. The state dict holds the array state and the static
+configuration, and restoring takes both from the saved state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import serialization
+
+from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+
+
+def _to_state_dict(scale: Any) -> dict[str, Any]:
+    return {f.name: getattr(scale, f.name) for f in dataclasses.fields(scale)}
+
+
+def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+    fields = {f.name for f in dataclasses.fields(target)}
+    unknown = set(state) - fields
+    if unknown:
+        raise ValueError(
+            f"cannot restore {type(target).__name__}: unknown fields {sorted(unknown)} "
+            f"in the saved state (expected {sorted(fields)})."
+        )
+    values = {name: state.get(name, getattr(target, name)) for name in fields}
+    for name in ("growth_interval",):
+        if name in values:
+            values[name] = int(values[name])
+    return type(target)(**values)
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+    serialization.register_serialization_state(_cls, _to_state_dict, _from_state_dict)

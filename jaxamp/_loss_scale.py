@@ -1,0 +1,245 @@
+"""Loss scales as plain pytrees: static configuration, array state.
+
+Each class is a frozen dataclass registered with ``jax.tree_util.register_dataclass``:
+its configuration lives in the tree structure (so it survives jit, scan and
+flatten/unflatten, unlike jmp's ``min_loss_scale``), its state is arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._finite import check_finite_flag
+
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _state_array(value: Any, dtype: Any, name: str, positive: bool) -> Any:
+    """Converts a user-given Python/NumPy scalar to a scalar JAX array.
+
+    JAX arrays (tracers included) and the placeholder leaves JAX puts in trees
+    while transforming them pass through untouched: this runs on every unflatten.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a number, got the bool {value!r}.")
+    if isinstance(value, (int, float, np.number, np.ndarray)):
+        array = np.asarray(value)
+        if array.shape != ():
+            raise ValueError(f"{name} must be a scalar; got shape {array.shape}.")
+        if positive and not (np.isfinite(array) and array > 0):
+            raise ValueError(f"{name} must be finite and > 0; got {value!r}.")
+        return jnp.asarray(array, dtype)
+    return value
+
+
+def _static_float(value: Any, name: str) -> float:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is static configuration and must be a Python number, not a "
+            f"traced value ({value}); pass it as a constant, outside jit."
+        )
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be a Python float; got {type(value).__name__}: {value!r}.")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}.")
+    return value
+
+
+class _Scaling:
+    """``scale``/``unscale`` shared by the array-backed loss scales."""
+
+    loss_scale: jax.Array
+
+    def scale(self, tree: Any) -> Any:
+        """Multiplies every floating leaf of ``tree`` by the loss scale.
+
+        16-bit leaves are multiplied in float32 and rounded back once, so a scale
+        above float16's maximum does not overflow by itself.
+        """
+        return jax.tree.map(lambda x: _apply(x, self.loss_scale, jnp.multiply), tree)
+
+    def unscale(self, tree: Any) -> Any:
+        """Divides every floating leaf of ``tree`` by the loss scale.
+
+        The division runs in (at least) float32 and each leaf keeps its dtype.
+        """
+        return jax.tree.map(lambda x: _apply(x, self.loss_scale, jnp.divide), tree)
+
+
+def _apply(x: Any, loss_scale: jax.Array, op) -> Any:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return x  # integer, bool and float0 leaves are not scaled
+    wide = jnp.dtype(jnp.float32) if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
+    return op(jnp.asarray(x, wide), loss_scale.astype(wide)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoOpLossScale:
+    """A loss scale of exactly 1 that never changes (for float32 and bfloat16).
+
+    >>> import jaxamp
+    >>> ls = jaxamp.NoOpLossScale()
+    >>> float(ls.loss_scale), ls.adjust(False) is ls
+    (1.0, True)
+    """
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: Any) -> Any:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+    def unscale(self, tree: Any) -> Any:
+        """Returns ``tree`` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: Any) -> NoOpLossScale:
+        """Returns ``self``: a no-op scale never changes."""
+        check_finite_flag(grads_finite)
+        return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale(_Scaling):
+    """A constant loss scale.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> ls = jaxamp.StaticLossScale(128.0)
+    >>> ls.scale(jnp.float32(0.5)), ls.unscale(jnp.float32(64.0))
+    (Array(64., dtype=float32), Array(0.5, dtype=float32))
+    """
+
+    loss_scale: jax.Array
+
+    def __post_init__(self):
+        value = _state_array(self.loss_scale, jnp.float32, "loss_scale", positive=True)
+        object.__setattr__(self, "loss_scale", value)
+
+    def adjust(self, grads_finite: Any) -> StaticLossScale:
+        """Returns ``self``: a static scale never changes."""
+        check_finite_flag(grads_finite)
+        return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicLossScale(_Scaling):
+    """A loss scale that shrinks on overflow and grows after a run of finite steps.
+
+    The rules are torch.amp.GradScaler's: when the gradients are not all finite
+    the scale is multiplied by ``backoff_factor`` (never below
+    ``min_loss_scale``) and the counter of finite steps resets; after exactly
+    ``growth_interval`` consecutive finite steps it is multiplied by
+    ``growth_factor`` (never above ``max_loss_scale``, never inf) and the counter
+    resets.
+
+    ``loss_scale`` (float32) and ``counter`` (int32) are the array state; the
+    rest is static configuration kept in the pytree structure.
+
+    >>> import jaxamp
+    >>> ls = jaxamp.DynamicLossScale(loss_scale=8.0, growth_interval=2)
+    >>> ls = ls.adjust(True); float(ls.loss_scale), int(ls.counter)
+    (8.0, 1)
+    >>> ls = ls.adjust(True); float(ls.loss_scale), int(ls.counter)
+    (16.0, 0)
+    >>> ls = ls.adjust(False); float(ls.loss_scale), int(ls.counter)
+    (8.0, 0)
+    """
+
+    loss_scale: jax.Array = 2.0**15
+    counter: jax.Array = 0
+    growth_interval: int = dataclasses.field(default=2000, metadata={"static": True})
+    growth_factor: float = dataclasses.field(default=2.0, metadata={"static": True})
+    backoff_factor: float = dataclasses.field(default=0.5, metadata={"static": True})
+    min_loss_scale: float = dataclasses.field(default=1.0, metadata={"static": True})
+    max_loss_scale: float = dataclasses.field(default=_FLOAT32_MAX, metadata={"static": True})
+
+    def __post_init__(self):
+        growth_interval = self.growth_interval
+        if isinstance(growth_interval, jax.core.Tracer):
+            raise TypeError(
+                "growth_interval is static configuration and must be a Python int, "
+                "not a traced value; pass it as a constant, outside jit."
+            )
+        if isinstance(growth_interval, (bool, np.bool_)) or not isinstance(
+            growth_interval, (int, np.integer)
+        ):
+            raise TypeError(
+                f"growth_interval must be an int; got {type(growth_interval).__name__}: "
+                f"{growth_interval!r}."
+            )
+        if not 1 <= growth_interval <= _INT32_MAX:
+            raise ValueError(f"growth_interval must be in [1, 2**31 - 1]; got {growth_interval}.")
+        growth = _static_float(self.growth_factor, "growth_factor")
+        backoff = _static_float(self.backoff_factor, "backoff_factor")
+        lo = _static_float(self.min_loss_scale, "min_loss_scale")
+        hi = _static_float(self.max_loss_scale, "max_loss_scale")
+        if growth <= 1.0:
+            raise ValueError(f"growth_factor must be > 1; got {growth}.")
+        if not 0.0 < backoff < 1.0:
+            raise ValueError(f"backoff_factor must be in the open interval (0, 1); got {backoff}.")
+        if not 0.0 < lo <= hi:
+            raise ValueError(
+                f"need 0 < min_loss_scale <= max_loss_scale; got min_loss_scale={lo}, "
+                f"max_loss_scale={hi}."
+            )
+        if hi > _FLOAT32_MAX:
+            raise ValueError(
+                f"max_loss_scale must be a finite float32 (<= {_FLOAT32_MAX:.6g}); got {hi}."
+            )
+        scale = _state_array(self.loss_scale, jnp.float32, "loss_scale", positive=True)
+        if isinstance(self.loss_scale, (int, float, np.number, np.ndarray)) and not (
+            lo <= float(self.loss_scale) <= hi
+        ):
+            raise ValueError(
+                f"loss_scale must be in [min_loss_scale, max_loss_scale] = [{lo}, {hi}]; "
+                f"got {float(self.loss_scale)}."
+            )
+        counter = _state_array(self.counter, jnp.int32, "counter", positive=False)
+        for name, value in (
+            ("loss_scale", scale),
+            ("counter", counter),
+            ("growth_interval", int(growth_interval)),
+            ("growth_factor", growth),
+            ("backoff_factor", backoff),
+            ("min_loss_scale", lo),
+            ("max_loss_scale", hi),
+        ):
+            object.__setattr__(self, name, value)
+
+    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+        """Returns the scale for the next step, given whether this step's grads were finite.
+
+        Args:
+          grads_finite: a bool scalar (a traced value inside jit), usually
+            ``jaxamp.all_finite(grads)``.
+        """
+        grads_finite = check_finite_flag(grads_finite)
+        # counter < growth_interval <= int32 max always holds, so +1 cannot overflow.
+        finite_steps = self.counter + 1
+        grow = finite_steps >= self.growth_interval
+        grown = jnp.minimum(self.loss_scale * self.growth_factor, self.max_loss_scale)
+        shrunk = jnp.maximum(self.loss_scale * self.backoff_factor, self.min_loss_scale)
+        loss_scale = jnp.where(
+            grads_finite, jnp.where(grow, grown, self.loss_scale), shrunk
+        ).astype(jnp.float32)
+        counter = jnp.where(grads_finite & ~grow, finite_steps, 0).astype(jnp.int32)
+        return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+    jax.tree_util.register_dataclass(_cls)
+
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale

@@ -1,0 +1,240 @@
+"""Precision policies: which dtype params, computation and outputs use."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxamp._casting import DTYPE_ALIASES, canonical_float_dtype, cast_floating
+
+__all__ = ["Policy", "get_policy", "policy_for_device"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Dtypes for the three roles a value plays in mixed-precision training.
+
+    ``param_dtype`` is the dtype of the stored (master) parameters,
+    ``compute_dtype`` the dtype the forward and backward pass run in and
+    ``output_dtype`` the dtype of what the model returns (the loss is computed
+    from it). Policies are frozen, hashable and equal by value, so they can be
+    static arguments of ``jax.jit``.
+
+    >>> import jaxamp
+    >>> policy = jaxamp.get_policy("mixed_bfloat16")
+    >>> policy
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
+    >>> str(policy)
+    'params=float32,compute=bfloat16,output=float32'
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = canonical_float_dtype(getattr(self, field), field)
+            object.__setattr__(self, field, value)
+
+    def __repr__(self) -> str:
+        return (
+            f"Policy(param_dtype={self.param_dtype.name}, "
+            f"compute_dtype={self.compute_dtype.name}, "
+            f"output_dtype={self.output_dtype.name})"
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+        return cast_floating(tree, self.output_dtype)
+
+    def with_param_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy with another ``param_dtype``."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy with another ``compute_dtype``."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    def module_kwargs(self) -> dict[str, np.dtype]:
+        """The ``dtype``/``param_dtype`` keyword arguments of Flax layers.
+
+        >>> import jaxamp
+        >>> jaxamp.get_policy("mixed_bfloat16").module_kwargs()
+        {'dtype': dtype(bfloat16), 'param_dtype': dtype('float32')}
+        """
+        return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
+
+
+_DTYPE_NAMES = DTYPE_ALIASES
+_KEYS = {
+    "p": "param",
+    "param": "param",
+    "params": "param",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+}
+_PRESETS = {
+    "float32": ("float32", "float32", "float32"),
+    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+    "mixed_float16": ("float32", "float16", "float32"),
+    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
+    "float16": ("float16", "float16", "float16"),
+}
+
+
+def _bad_spec(spec: str, why: str) -> ValueError:
+    return ValueError(
+        f"invalid policy spec {spec!r}: {why}. Valid forms: a preset "
+        f"({', '.join(_PRESETS)}), a bare dtype name, or comma-separated "
+        f"key=dtype pairs such as 'params=float32,compute=bfloat16,output=float32' "
+        f"with keys {'|'.join(_KEYS)} and dtypes {'|'.join(_DTYPE_NAMES)}."
+    )
+
+
+def _parse(spec: str) -> Policy:
+    text = spec.strip().lower().replace(" ", "")
+    if text in _PRESETS:
+        return Policy(*_PRESETS[text])
+    if text in _DTYPE_NAMES:
+        return Policy(*[_DTYPE_NAMES[text]] * 3)
+    chosen: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, name = part.partition("=")
+        if not sep:
+            raise _bad_spec(spec, f"{part!r} is neither a preset, a dtype nor key=dtype")
+        if key not in _KEYS:
+            raise _bad_spec(spec, f"unknown key {key!r}")
+        if name not in _DTYPE_NAMES:
+            raise _bad_spec(spec, f"unknown dtype {name!r}")
+        if _KEYS[key] in chosen:
+            raise _bad_spec(spec, f"{_KEYS[key]} is given twice")
+        chosen[_KEYS[key]] = _DTYPE_NAMES[name]
+    # jmp's defaults: params float32, compute = params, output = compute.
+    param = chosen.get("param", "float32")
+    compute = chosen.get("compute", param)
+    output = chosen.get("output", compute)
+    return Policy(param, compute, output)
+
+
+def _is_jmp_policy(spec: Any) -> bool:
+    # Duck-typed so that core jaxamp never imports jmp.
+    return type(spec).__module__.split(".")[0] == "jmp" and all(
+        hasattr(spec, f) for f in ("param_dtype", "compute_dtype", "output_dtype")
+    )
+
+
+def get_policy(spec: Policy | str | Any) -> Policy:
+    """Returns the :class:`Policy` that ``spec`` names.
+
+    Args:
+      spec: a ``Policy`` (returned as is), a ``jmp.Policy`` (converted), a preset
+        name (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``,
+        ``"bfloat16"``, ``"float16"``), a bare dtype name, or jmp's string format
+        ``"params=float32,compute=bfloat16,output=float32"`` with jmp's defaults
+        (params float32, compute = params, output = compute).
+
+    Raises:
+      ValueError: a string that is none of these; the message lists the valid
+        keys, dtypes and presets.
+      TypeError: ``spec`` is neither a string nor a policy.
+
+    >>> import jaxamp
+    >>> jaxamp.get_policy("c=bf16")
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=bfloat16)
+    >>> jaxamp.get_policy("p=f32,c=f16,o=f32") == jaxamp.get_policy("mixed_float16")
+    True
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if _is_jmp_policy(spec):
+        return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+    if isinstance(spec, str):
+        return _parse(spec)
+    raise TypeError(
+        f"policy must be a jaxamp.Policy, a jmp.Policy or a string such as "
+        f"'mixed_bfloat16'; got {type(spec).__name__}: {spec!r}."
+    )
+
+
+def policy_for_device(
+    device: jax.Device | None = None, *, with_reason: bool = False
+) -> Policy | tuple[Policy, str]:
+    """The policy to train with on ``device`` (default: ``jax.devices()[0]``).
+
+    ``mixed_bfloat16`` on TPUs, on NVIDIA GPUs of compute capability 8.0 or
+    newer (Ampere, Hopper, Blackwell) and on AMD GPUs; ``mixed_float16`` (which
+    needs loss scaling) on NVIDIA GPUs of compute capability 7.x (Volta,
+    Turing); ``float32`` elsewhere, including CPUs.
+
+    Args:
+      device: a ``jax.Device``; ``None`` means the first default device.
+      with_reason: also return a sentence saying why.
+
+    Returns:
+      The policy, or ``(policy, reason)`` when ``with_reason`` is true.
+
+    >>> import jaxamp, jax
+    >>> policy, reason = jaxamp.policy_for_device(jax.devices("cpu")[0], with_reason=True)
+    >>> str(policy)
+    'params=float32,compute=float32,output=float32'
+    """
+    if device is None:
+        device = jax.devices()[0]
+    if not hasattr(device, "platform"):
+        raise TypeError(f"device must be a jax.Device or None; got {device!r}.")
+    platform = device.platform.lower()
+    kind = getattr(device, "device_kind", platform)
+    if platform == "tpu":
+        name, reason = "mixed_bfloat16", f"{kind}: TPUs compute natively in bfloat16."
+    elif platform in ("gpu", "cuda"):
+        capability = getattr(device, "compute_capability", None)
+        major = float(capability) if capability else 0.0
+        if major >= 8.0:
+            name = "mixed_bfloat16"
+            reason = (
+                f"{kind} (compute capability {capability}) has bfloat16 Tensor Cores; "
+                "bfloat16 keeps float32's range, so no loss scaling is needed."
+            )
+        elif major >= 7.0:
+            name = "mixed_float16"
+            reason = (
+                f"{kind} (compute capability {capability}) has float16 but no "
+                "bfloat16 Tensor Cores; use dynamic loss scaling with float16."
+            )
+        else:
+            name = "float32"
+            reason = f"{kind} (compute capability {capability}) has no Tensor Cores."
+    elif platform == "rocm":
+        name, reason = "mixed_bfloat16", f"{kind}: AMD matrix cores support bfloat16."
+    else:
+        name = "float32"
+        reason = (
+            f"{platform} device: no Tensor Cores. 16-bit compute only pays on a CPU "
+            "with float32 accumulation (see jaxamp.autocast); float32 is the safe default."
+        )
+    policy = get_policy(name)
+    return (policy, reason) if with_reason else policy
