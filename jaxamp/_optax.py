@@ -6,14 +6,37 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jaxamp._finite import all_finite
+from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 
-__all__ = ["LossScalingState", "get_loss_scale", "loss_scaling", "loss_scaling_metrics"]
+__all__ = [
+    "AccumulationState",
+    "LossScalingState",
+    "get_loss_scale",
+    "loss_scaling",
+    "loss_scaling_metrics",
+]
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+_GRAD_REDUCTIONS = (None, "mean", "sum")
+
+
+class AccumulationState(NamedTuple):
+    """Gradient accumulation inside :func:`loss_scaling` (``accumulation_steps > 1``).
+
+    Attributes:
+      mini_step: micro-batches accumulated so far in this window (int32).
+      window_finite: whether every micro-batch of this window was finite (bool).
+      grad_sum: the sum of this window's unscaled gradients, float32 for 16-bit
+        leaves (each leaf's own dtype otherwise).
+    """
+
+    mini_step: jax.Array
+    window_finite: jax.Array
+    grad_sum: Any
 
 
 class LossScalingState(NamedTuple):
@@ -22,19 +45,60 @@ class LossScalingState(NamedTuple):
     Attributes:
       loss_scale: the current loss scale (a jaxamp loss-scale pytree).
       inner_state: the wrapped transformation's state.
-      skipped_steps: steps skipped so far (int32, saturates at 2**31 - 1).
+      skipped_steps: steps skipped so far (int32, saturates at 2**31 - 1); with
+        gradient accumulation a step is a whole window.
       consecutive_skips: steps skipped in a row up to now (int32, saturating);
         0 after a finite step.
+      accumulation: an :class:`AccumulationState` when ``accumulation_steps > 1``,
+        else ``None``.
     """
 
     loss_scale: Any
     inner_state: Any
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    accumulation: AccumulationState | None = None
 
 
 def _saturating_increment(count: jax.Array) -> jax.Array:
     return jnp.where(count < _INT32_MAX, count + 1, count).astype(jnp.int32)
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _wide(x: Any) -> Any:
+    """``x`` in float32 when it is a 16-bit float, else unchanged."""
+    if _is_float(x) and jnp.dtype(x.dtype).itemsize < 4:
+        return x.astype(jnp.float32)
+    return x
+
+
+def _check_axis_name(axis_name: Any) -> None:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            "axis_name must be None, a mapped axis name (str) or a tuple of them; "
+            f"got {type(axis_name).__name__}: {axis_name!r}."
+        )
+
+
+def _check_options(axis_name: Any, grad_reduction: Any, accumulation_steps: Any) -> None:
+    _check_axis_name(axis_name)
+    if grad_reduction not in _GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be None, 'mean' or 'sum'; got {grad_reduction!r}.")
+    if grad_reduction is not None and axis_name is None:
+        raise ValueError(
+            f"grad_reduction={grad_reduction!r} needs axis_name (the shard_map/pmap "
+            "axis to reduce the gradients over); got axis_name=None."
+        )
+    if (
+        isinstance(accumulation_steps, (bool, np.bool_))
+        or not isinstance(accumulation_steps, (int, np.integer))
+        or accumulation_steps < 1
+    ):
+        raise ValueError(f"accumulation_steps must be an int >= 1; got {accumulation_steps!r}.")
 
 
 def loss_scaling(
@@ -42,6 +106,8 @@ def loss_scaling(
     loss_scale: Any = None,
     *,
     axis_name: str | tuple[str, ...] | None = None,
+    grad_reduction: str | None = None,
+    accumulation_steps: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss scaling and skipping of non-finite steps.
 
@@ -52,12 +118,25 @@ def loss_scaling(
     the updates are exact zeros and ``inner``'s state comes back bit-identical.
     Unlike ``optax.apply_if_finite`` it never gives up and applies NaNs.
 
+    Gradient accumulation: use ``accumulation_steps=k`` rather than wrapping in
+    ``optax.MultiSteps``. The scale then stays constant for the ``k``
+    micro-batches of a window (sum the micro-batches' unscaled grads in float32),
+    and at the end of the window ``inner`` gets their mean, the finite check and
+    the scale adjustment happen once, and one non-finite micro-batch skips the
+    whole window. (``optax.MultiSteps`` around ``loss_scaling`` would see one
+    window's inf left in its accumulator as NaN in every later window.)
+
     Args:
       inner: the optimizer to protect (clipping inside it sees unscaled grads).
       loss_scale: the initial loss scale; ``None`` means ``DynamicLossScale()``.
       axis_name: for ``shard_map``/``pmap`` code: the mapped axis (or axes) over
         which the finite flag is combined, so every device skips together. Not
         needed under ``jax.jit`` with sharded arrays, where the check is global.
+      grad_reduction: ``"mean"`` or ``"sum"`` also reduces the gradients over
+        ``axis_name`` (in float32 for 16-bit leaves, before unscaling, so that
+        scaled float16 grads cannot overflow in the all-reduce); ``None`` (the
+        default) leaves them as they are.
+      accumulation_steps: micro-batches per optimizer step (default 1).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -84,11 +163,53 @@ def loss_scaling(
             "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
             f"got {type(inner).__name__}: {inner!r}."
         )
+    _check_options(axis_name, grad_reduction, accumulation_steps)
+    accumulation_steps = int(accumulation_steps)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
         zero = jnp.zeros((), jnp.int32)
-        return LossScalingState(loss_scale, inner.init(params), zero, zero)
+        accumulation = None
+        if accumulation_steps > 1:
+            if params is None:
+                raise ValueError(
+                    "init(params) needs the params (not None) when accumulation_steps > 1: "
+                    "the gradient accumulator takes their shapes."
+                )
+            grad_sum = jax.tree.map(
+                lambda p: jnp.zeros(jnp.shape(p), _wide(p).dtype) if _is_float(p) else None,
+                params,
+            )
+            accumulation = AccumulationState(zero, jnp.asarray(True), grad_sum)
+        return LossScalingState(loss_scale, inner.init(params), zero, zero, accumulation)
+
+    def reduce_and_unscale(updates, scale):
+        if grad_reduction is None:
+            return scale.unscale(updates)
+        reduce = jax.lax.pmean if grad_reduction == "mean" else jax.lax.psum
+
+        def one(g):
+            if not _is_float(g):
+                return g
+            return scale.unscale(reduce(_wide(g), axis_name)).astype(g.dtype)
+
+        return jax.tree.map(one, updates)
+
+    def apply_or_skip(grads, apply_flag, inner_state, params, extra_args):
+        def apply(operands):
+            grads, inner_state = operands
+            return inner.update(grads, inner_state, params, **extra_args)
+
+        # lax.cond rather than computing both and selecting: the skip branch costs
+        # nothing, and XLA's compile time stays flat in the number of leaves.
+        out_shape = jax.eval_shape(apply, (grads, inner_state))
+
+        def skip(operands):
+            _, inner_state = operands
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape[0])
+            return zeros, inner_state
+
+        return jax.lax.cond(apply_flag, apply, skip, (grads, inner_state))
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, LossScalingState):
@@ -96,37 +217,78 @@ def loss_scaling(
                 "state must be the LossScalingState returned by this transformation's "
                 f"init; got {type(state).__name__}."
             )
-        grads = state.loss_scale.unscale(updates)
+        grads = reduce_and_unscale(updates, state.loss_scale)
         finite = all_finite(grads)
         if axis_name is not None:
             # A skip anywhere is a skip everywhere: min over the devices' flags.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
-
-        def apply(operands):
-            grads, inner_state = operands
-            return inner.update(grads, inner_state, params, **extra_args)
-
-        # lax.cond rather than computing both and selecting: the skip branch costs
-        # nothing, and XLA's compile time stays flat in the number of leaves.
-        out_shape = jax.eval_shape(apply, (grads, state.inner_state))
-
-        def skip(operands):
-            _, inner_state = operands
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape[0])
-            return zeros, inner_state
-
-        new_updates, inner_state = jax.lax.cond(finite, apply, skip, (grads, state.inner_state))
-        skipped = _saturating_increment(state.skipped_steps)
-        consecutive = _saturating_increment(state.consecutive_skips)
-        new_state = LossScalingState(
-            loss_scale=state.loss_scale.adjust(finite),
-            inner_state=inner_state,
-            skipped_steps=jnp.where(finite, state.skipped_steps, skipped),
-            consecutive_skips=jnp.where(finite, jnp.zeros_like(consecutive), consecutive),
+        if accumulation_steps > 1:
+            return accumulate(grads, finite, state, params, extra_args)
+        new_updates, inner_state = apply_or_skip(
+            grads, finite, state.inner_state, params, extra_args
         )
-        return new_updates, new_state
+        return new_updates, _next_state(state, finite, inner_state)
+
+    def accumulate(grads, finite, state, params, extra_args):
+        acc = state.accumulation
+        if acc is None:
+            raise TypeError(
+                "state has no AccumulationState: it was not made by the init of a "
+                "loss_scaling transformation with accumulation_steps > 1."
+            )
+        # A non-finite micro-batch is left out of the sum so that nothing
+        # non-finite outlives its window; the window is skipped anyway.
+        grad_sum = jax.tree.map(
+            lambda s, g: None if s is None else jnp.where(finite, s + _wide(g), s),
+            acc.grad_sum,
+            grads,
+            is_leaf=lambda x: x is None,
+        )
+        window_finite = acc.window_finite & finite
+        end = acc.mini_step == accumulation_steps - 1
+        mean = jax.tree.map(
+            lambda s, g: g if s is None else (s / accumulation_steps).astype(g.dtype),
+            grad_sum,
+            grads,
+            is_leaf=lambda x: x is None,
+        )
+        new_updates, inner_state = apply_or_skip(
+            mean, end & window_finite, state.inner_state, params, extra_args
+        )
+        stepped = _next_state(state, window_finite, inner_state)
+        # Inside a window only the accumulator moves; at its end, the scale and
+        # the skip counters move once for the whole window.
+        held = LossScalingState(
+            loss_scale=select_tree(end, stepped.loss_scale, state.loss_scale),
+            inner_state=inner_state,
+            skipped_steps=jnp.where(end, stepped.skipped_steps, state.skipped_steps),
+            consecutive_skips=jnp.where(end, stepped.consecutive_skips, state.consecutive_skips),
+        )
+        grad_sum = jax.tree.map(
+            lambda s: None if s is None else jnp.where(end, jnp.zeros_like(s), s),
+            grad_sum,
+            is_leaf=lambda x: x is None,
+        )
+        accumulation = AccumulationState(
+            mini_step=jnp.where(end, 0, acc.mini_step + 1).astype(jnp.int32),
+            window_finite=end | window_finite,
+            grad_sum=grad_sum,
+        )
+        return new_updates, held._replace(accumulation=accumulation)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _next_state(state: LossScalingState, finite: jax.Array, inner_state: Any) -> LossScalingState:
+    skipped = _saturating_increment(state.skipped_steps)
+    consecutive = _saturating_increment(state.consecutive_skips)
+    return LossScalingState(
+        loss_scale=state.loss_scale.adjust(finite),
+        inner_state=inner_state,
+        skipped_steps=jnp.where(finite, state.skipped_steps, skipped),
+        consecutive_skips=jnp.where(finite, jnp.zeros_like(consecutive), consecutive),
+        accumulation=state.accumulation,
+    )
 
 
 def _find_states(opt_state: Any) -> list[LossScalingState]:
