@@ -11,10 +11,12 @@ from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp._optax import (
+    AccumulationState,
     LossScalingState,
     get_loss_scale,
     loss_scaling,
     loss_scaling_metrics,
+    scaled_value_and_grad,
 )
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._version import __version__
@@ -24,6 +26,7 @@ if _importlib_util.find_spec("flax") is not None:
     from jaxamp import _flax_serialization  # noqa: F401
 
 __all__ = [
+    "AccumulationState",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
@@ -40,6 +43,7 @@ __all__ = [
     "loss_scaling_metrics",
     "pad_to_multiple",
     "policy_for_device",
+    "scaled_value_and_grad",
     "select_tree",
     "tensor_core_multiple",
 ]
