@@ -1,0 +1,11 @@
+"""Flax adapters (NNX and Linen): policies with per-module overrides, a loss-scaled TrainState.
+
+``nnx.Optimizer(model, jaxamp.loss_scaling(tx), wrt=nnx.Param)`` needs nothing
+from here: :func:`jaxamp.get_loss_scale` reads ``optimizer.opt_state`` directly.
+Importing this package imports flax; core ``jaxamp`` does not.
+"""
+
+from jaxamp.flax._linen import LossScaledTrainState, linen_policy
+from jaxamp.flax._nnx import set_policy
+
+__all__ = ["LossScaledTrainState", "linen_policy", "set_policy"]

@@ -1,0 +1,156 @@
+"""Flax Linen: a loss-scaled TrainState and a policy context with per-module overrides."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax import struct
+from flax.training import train_state
+
+from jaxamp._casting import cast_floating
+from jaxamp._optax import _find_states, get_loss_scale, loss_scaling, scaled_value_and_grad
+from jaxamp._policy import get_policy
+from jaxamp.flax._overrides import normalize_overrides, policy_for
+
+__all__ = ["LossScaledTrainState", "linen_policy"]
+
+
+class LossScaledTrainState(train_state.TrainState):
+    """A Linen ``TrainState`` whose optimizer scales the loss and skips non-finite steps.
+
+    ``create`` wraps ``tx`` in :func:`jaxamp.loss_scaling` (unless it already
+    holds one). ``apply_gradients`` takes the grads of the SCALED loss (from
+    :meth:`value_and_grad`); on a skipped step ``params``, ``step`` and the inner
+    optimizer state stay bit-identical, so ``step`` counts applied updates, like
+    optax's own step counters.
+
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> from flax import linen as nn
+    >>> model = nn.Dense(2)
+    >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    >>> state = jaxamp.flax.LossScaledTrainState.create(
+    ...     apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
+    ...     loss_scale=jaxamp.DynamicLossScale(loss_scale=2.0**10))
+    >>> def loss_fn(params):
+    ...     return (model.apply({"params": params}, jnp.ones((1, 3))) ** 2).mean()
+    >>> loss, grads = state.value_and_grad(loss_fn)(state.params)
+    >>> state = state.apply_gradients(grads=grads)
+    >>> int(state.step), float(state.loss_scale.loss_scale)
+    (1, 1024.0)
+    """
+
+    @classmethod
+    def create(cls, *, apply_fn, params, tx, loss_scale: Any = None, **kwargs):
+        """Like ``TrainState.create``; ``loss_scale`` defaults to ``DynamicLossScale()``."""
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                f"tx must be an optax.GradientTransformation; got {type(tx).__name__}: {tx!r}."
+            )
+        if _find_states(jax.eval_shape(tx.init, params)):
+            if loss_scale is not None:
+                raise ValueError(
+                    "tx already contains jaxamp.loss_scaling; pass loss_scale to "
+                    "loss_scaling, not to create (got both)."
+                )
+        else:
+            tx = loss_scaling(tx, loss_scale)
+        return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+
+    @property
+    def loss_scale(self) -> Any:
+        """The current loss scale (multiply the loss by it before differentiating)."""
+        return get_loss_scale(self.opt_state)
+
+    def value_and_grad(self, loss_fn, *, has_aux: bool = False, argnums=0):
+        """``jax.value_and_grad`` of ``loss_fn`` times the current scale.
+
+        Returns a function giving ``(loss, grads)`` (``((loss, aux), grads)`` with
+        ``has_aux``): the true (unscaled) loss and the grads of the scaled loss,
+        ready for :meth:`apply_gradients`.
+        """
+        return scaled_value_and_grad(loss_fn, self.loss_scale, has_aux=has_aux, argnums=argnums)
+
+    def apply_gradients(self, *, grads, **kwargs):
+        """Unscales ``grads``, and applies them only when they are all finite."""
+        grads_with_opt = grads
+        params_with_opt = self.params
+        updates, new_opt_state = self.tx.update(grads_with_opt, self.opt_state, params_with_opt)
+        new_params = optax.apply_updates(params_with_opt, updates)
+        skipped = _find_states(new_opt_state)[0].consecutive_skips > 0
+        return self.replace(
+            step=jnp.where(skipped, self.step, self.step + 1),
+            params=new_params,
+            opt_state=new_opt_state,
+            **kwargs,
+        )
+
+
+# A field so that subclasses of flax.struct dataclasses stay pytrees.
+LossScaledTrainState = struct.dataclass(LossScaledTrainState)
+
+
+@contextlib.contextmanager
+def linen_policy(policy: Any, overrides: Mapping[Any, Any] | None = None) -> Iterator[None]:
+    """Runs every Linen module under a policy, with per-class or per-path overrides.
+
+    Inside the context, each module with a ``dtype`` field runs with its
+    policy's compute dtype, its floating inputs cast to it, and (for modules
+    with ``param_dtype``) creates its params in the policy's ``param_dtype``.
+    Its policy is the first matching override (a path like ``"head"``, matched
+    against the module's scope path, then a class like ``nn.LayerNorm``) or,
+    for modules whose ``dtype`` was left at ``None``, ``policy``. Modules built
+    with an explicit ``dtype`` keep it unless an override names them. Built on
+    ``flax.linen.intercept_methods``: wrap both ``init`` and ``apply`` (inside
+    or outside ``jax.jit``).
+
+    Args:
+      policy: anything :func:`jaxamp.get_policy` accepts.
+      overrides: ``{module class or path: policy}``, e.g. ``{nn.LayerNorm: "float32"}``.
+
+    >>> import jax, jax.numpy as jnp, jaxamp
+    >>> from flax import linen as nn
+    >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm()])
+    >>> x = jnp.ones((2, 4))
+    >>> with jaxamp.flax.linen_policy("mixed_bfloat16", {nn.LayerNorm: "float32"}):
+    ...     variables = model.init(jax.random.key(0), x)
+    ...     y = model.apply(variables, x)
+    >>> y.dtype, variables["params"]["layers_0"]["kernel"].dtype
+    (dtype('float32'), dtype('float32'))
+    """
+    default = get_policy(policy)
+    pairs = normalize_overrides(overrides)
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if not hasattr(module, "dtype") or context.method_name == "setup":
+            return next_fun(*args, **kwargs)
+        path = "/".join(module.scope.path) if module.scope is not None else ""
+        chosen = policy_for(module, path, None, pairs)
+        if chosen is None:
+            if module.dtype is not None:
+                return next_fun(*args, **kwargs)
+            chosen = default
+        fields = {"dtype": chosen.compute_dtype}
+        if hasattr(module, "param_dtype"):
+            fields["param_dtype"] = chosen.param_dtype
+        saved = {name: getattr(module, name) for name in fields}
+        # Linen modules are frozen dataclasses; the fields are set for this call
+        # only and restored after it, so the module object is unchanged outside.
+        for name, value in fields.items():
+            object.__setattr__(module, name, value)
+        try:
+            # Inputs too: "LayerNorm in float32" means its statistics see float32.
+            args, kwargs = cast_floating((args, kwargs), chosen.compute_dtype)
+            return next_fun(*args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                object.__setattr__(module, name, value)
+
+    with nn.intercept_methods(interceptor):
+        yield
