@@ -1,0 +1,8 @@
+"""Helpers for testing mixed-precision code on CPU (public: ``jaxamp.testing``).
+
+A thin re-export module: each helper lives in the private module of its concept.
+"""
+
+from jaxamp._faults import inject_fault, inject_fault_in_leaf
+
+__all__ = ["inject_fault", "inject_fault_in_leaf"]

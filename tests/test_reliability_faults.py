@@ -1,0 +1,142 @@
+"""Fault injection: every fault skips its step bit-identically, backs off, and training recovers."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp._faults import inject_fault, inject_fault_in_leaf
+
+POLICY = jaxamp.get_policy("mixed_float16")
+FAULT_STEPS = (3, 7)
+STEPS = 14
+
+
+def _data():
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (32, 4))
+    y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]]) + 0.25
+    return x, y
+
+
+def _params():
+    return {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
+
+
+def _loss(params, x, y, step, fault):
+    p, xc = POLICY.cast_to_compute((params, x))
+    if fault == "activation":
+        # A float16 overflow in the forward pass: 70000 > float16 max (65504).
+        xc = inject_fault(xc, step, FAULT_STEPS, value=70000.0, index=5)
+    pred = POLICY.cast_to_output(xc @ p["w"] + p["b"])
+    loss = jnp.mean((pred - y) ** 2)
+    if fault == "loss":
+        loss = inject_fault(loss, step, FAULT_STEPS, value=float("nan"))
+    return loss
+
+
+def _make_step(fault, tx):
+    @jax.jit
+    def step(params, opt_state, step_index, x, y):
+        scale = jaxamp.get_loss_scale(opt_state)
+        loss, grads = jax.value_and_grad(lambda p: scale.scale(_loss(p, x, y, step_index, fault)))(
+            params
+        )
+        if fault == "grad":
+            grads = inject_fault_in_leaf(grads, 1, step_index, FAULT_STEPS, float("-inf"))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, scale.unscale(loss)
+
+    return step
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("fault", ["grad", "loss", "activation"])
+def test_each_fault_is_skipped_bit_identically_and_training_recovers(fault):
+    tx = jaxamp.loss_scaling(
+        optax.sgd(0.1, momentum=0.9), jaxamp.DynamicLossScale(loss_scale=2.0**12)
+    )
+    step = _make_step(fault, tx)
+    x, y = _data()
+    params, opt_state = _params(), tx.init(_params())
+    losses = []
+    for i in range(STEPS):
+        before = (_bits(params), _bits(opt_state.inner_state))
+        scale_before = float(jaxamp.get_loss_scale(opt_state).loss_scale)
+        params, opt_state, loss = step(params, opt_state, jnp.int32(i), x, y)
+        scale_after = float(jaxamp.get_loss_scale(opt_state).loss_scale)
+        if i in FAULT_STEPS:
+            assert (_bits(params), _bits(opt_state.inner_state)) == before, f"step {i}"
+            assert scale_after == scale_before / 2
+            assert bool(jaxamp.loss_scaling_metrics(opt_state)["last_step_skipped"])
+        else:
+            assert _bits(params) != before[0], f"step {i} should have updated"
+            assert scale_after == scale_before
+            losses.append(float(loss))
+    assert int(opt_state.skipped_steps) == len(FAULT_STEPS)
+    assert int(opt_state.consecutive_skips) == 0
+    assert losses[-1] < 0.2 * losses[0]  # training went on after the faults
+
+
+def test_same_trajectory_as_a_run_without_the_faulty_steps():
+    # Skipping must be exactly "as if the step never happened" (apart from the scale).
+    tx = jaxamp.loss_scaling(optax.sgd(0.05, momentum=0.9), jaxamp.StaticLossScale(2.0**8))
+    faulty, clean = _make_step("grad", tx), _make_step(None, tx)
+    x, y = _data()
+    p1, s1 = _params(), tx.init(_params())
+    p2, s2 = _params(), tx.init(_params())
+    for i in range(STEPS):
+        p1, s1, _ = faulty(p1, s1, jnp.int32(i), x, y)
+        if i not in FAULT_STEPS:
+            p2, s2, _ = clean(p2, s2, jnp.int32(i), x, y)
+    assert _bits(p1) == _bits(p2) and _bits(s1.inner_state) == _bits(s2.inner_state)
+
+
+def test_persistent_faults_stop_at_min_scale_and_never_update():
+    tx = jaxamp.loss_scaling(
+        optax.sgd(0.05),
+        jaxamp.DynamicLossScale(loss_scale=2.0**15, min_loss_scale=2.0**10),
+    )
+    x, y = _data()
+    params, opt_state = _params(), tx.init(_params())
+    step = jax.jit(functools.partial(_make_step("grad", tx).__wrapped__))
+    initial = _bits(params)
+    for i in range(40):
+        params, opt_state, _ = step(params, opt_state, jnp.int32(3), x, y)  # always step 3
+    assert _bits(params) == initial
+    metrics = jaxamp.loss_scaling_metrics(opt_state)
+    assert float(metrics["loss_scale"]) == 2.0**10
+    assert int(metrics["skipped_steps"]) == 40 and int(metrics["consecutive_skips"]) == 40
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 70000.0])
+def test_inject_fault_values_and_dtypes(value):
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+        out = inject_fault(jnp.ones((2, 2), dtype), 1, [0, 1], value=value, index=3)
+        assert out.dtype == dtype and out.shape == (2, 2)
+        expect_finite = value == 70000.0 and dtype != jnp.float16
+        assert bool(jnp.isfinite(out.reshape(-1)[3])) == expect_finite
+        assert bool(jnp.all(out.reshape(-1)[:3] == 1))
+    untouched = inject_fault(jnp.ones(3), 2, [0, 1], value=value)
+    assert bool(jnp.all(untouched == 1))
+
+
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda: inject_fault(jnp.arange(3), 0, 0), TypeError, "x must be a floating array"),
+        (lambda: inject_fault(jnp.ones(3), 0, 0, index=3), ValueError, "index must be in"),
+        (lambda: inject_fault(jnp.ones(3), 0, "3"), TypeError, "at_steps must be an int"),
+        (lambda: inject_fault_in_leaf([jnp.ones(1)], 2, 0, 0), ValueError, "leaf must be in"),
+    ],
+)
+def test_inject_fault_bad_input(call, error, fragment):
+    with pytest.raises(error, match=fragment):
+        call()
