@@ -31,7 +31,7 @@ def inject_fault(
     value: float = float("inf"),
     index: int = 0,
 ) -> jax.Array:
-    """Returns ``x`` with its flat element ``index`` set to ``value`` when ``step`` is in ``at_steps``.
+    """Sets flat element ``index`` of ``x`` to ``value`` when ``step`` is in ``at_steps``.
 
     ``value`` is converted to ``x``'s dtype, so a finite value beyond that
     dtype's range becomes inf exactly as a real overflow would (70000 in float16).
@@ -48,7 +48,7 @@ def inject_fault(
     >>> import jax.numpy as jnp
     >>> from jaxamp.testing import inject_fault
     >>> inject_fault(jnp.ones(3, jnp.float16), step=2, at_steps=[2, 5], value=70000.0)
-    Array([inf, 1, 1], dtype=float16)
+    Array([inf,  1.,  1.], dtype=float16)
     >>> inject_fault(jnp.ones(3), step=3, at_steps=[2, 5])
     Array([1., 1., 1.], dtype=float32)
     """

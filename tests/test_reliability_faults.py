@@ -108,7 +108,7 @@ def test_persistent_faults_stop_at_min_scale_and_never_update():
     params, opt_state = _params(), tx.init(_params())
     step = jax.jit(functools.partial(_make_step("grad", tx).__wrapped__))
     initial = _bits(params)
-    for i in range(40):
+    for _ in range(40):
         params, opt_state, _ = step(params, opt_state, jnp.int32(3), x, y)  # always step 3
     assert _bits(params) == initial
     metrics = jaxamp.loss_scaling_metrics(opt_state)
