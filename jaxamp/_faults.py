@@ -18,6 +18,10 @@ __all__ = ["inject_fault", "inject_fault_in_leaf"]
 
 
 def _steps_array(at_steps: Any) -> jax.Array:
+    if isinstance(at_steps, jax.Array):  # a fault plan computed inside jit
+        if not jnp.issubdtype(at_steps.dtype, jnp.integer):
+            raise TypeError(f"at_steps must hold integers; got dtype {at_steps.dtype}.")
+        return at_steps.reshape(-1).astype(jnp.int32)
     steps = np.asarray(at_steps if not isinstance(at_steps, int) else [at_steps])
     if steps.ndim != 1 or not (steps.size == 0 or np.issubdtype(steps.dtype, np.integer)):
         raise TypeError(f"at_steps must be an int or a sequence of ints; got {at_steps!r}.")
@@ -41,7 +45,8 @@ def inject_fault(
     Args:
       x: a floating array (gradient, loss, activation).
       step: the current step, an int scalar (traced inside jit).
-      at_steps: the step(s) on which to inject.
+      at_steps: the step(s) on which to inject: an int, a sequence of ints, or an
+        integer JAX array (which may be traced).
       value: what to write: ``inf``, ``-inf``, ``nan`` or a large finite number.
       index: which element of the flattened array.
 
