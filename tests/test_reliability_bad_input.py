@@ -1,0 +1,245 @@
+"""Bad input everywhere: each public entry point names the argument, what it got, what is valid.
+
+The table below is also the source of the error table in docs/errors.md; a test
+keeps the two in step.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxamp
+from jaxamp.testing import inject_fault
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+
+def _traced(fn):
+    """Calls ``fn`` with a traced scalar, as user code inside jit would."""
+    return lambda: jax.jit(fn)(jnp.int32(8))
+
+
+# (what the user wrote, the call, error type, fragments the message must contain)
+CASES = [
+    (
+        'get_policy("mixed_bf16")',
+        lambda: jaxamp.get_policy("mixed_bf16"),
+        ValueError,
+        ["mixed_bf16", "mixed_bfloat16", "bf16", "params"],
+    ),
+    (
+        'get_policy("c=int8")',
+        lambda: jaxamp.get_policy("c=int8"),
+        ValueError,
+        ["unknown dtype 'int8'", "float16"],
+    ),
+    (
+        'get_policy("weights=f32")',
+        lambda: jaxamp.get_policy("weights=f32"),
+        ValueError,
+        ["unknown key 'weights'", "compute"],
+    ),
+    ("get_policy(3)", lambda: jaxamp.get_policy(3), TypeError, ["jaxamp.Policy", "int"]),
+    (
+        'Policy("int32", "bf16", "f32")',
+        lambda: jaxamp.Policy("int32", "bf16", "f32"),
+        TypeError,
+        ["param_dtype", "int32", "floating-point"],
+    ),
+    (
+        'Policy("f32", "complex64", "f32")',
+        lambda: jaxamp.Policy("f32", "complex64", "f32"),
+        TypeError,
+        ["compute_dtype", "complex64"],
+    ),
+    (
+        'cast_floating(x, "int8")',
+        lambda: jaxamp.cast_floating(jnp.ones(2), "int8"),
+        TypeError,
+        ["dtype", "int8", "floating-point"],
+    ),
+    (
+        'cast_floating(x, "f64") without x64',
+        lambda: jaxamp.cast_floating(jnp.ones(2), "f64"),
+        ValueError,
+        ["float64", "jax_enable_x64"],
+    ),
+    (
+        'policy_for_device("gpu")',
+        lambda: jaxamp.policy_for_device("gpu"),
+        TypeError,
+        ["device", "jax.Device", "'gpu'"],
+    ),
+    (
+        "DynamicLossScale(growth_factor=1.0)",
+        lambda: jaxamp.DynamicLossScale(growth_factor=1.0),
+        ValueError,
+        ["growth_factor", "> 1", "1.0"],
+    ),
+    (
+        "DynamicLossScale(backoff_factor=2.0)",
+        lambda: jaxamp.DynamicLossScale(backoff_factor=2.0),
+        ValueError,
+        ["backoff_factor", "(0, 1)", "2.0"],
+    ),
+    (
+        "DynamicLossScale(growth_interval=0)",
+        lambda: jaxamp.DynamicLossScale(growth_interval=0),
+        ValueError,
+        ["growth_interval", "[1, 2**31 - 1]", "0"],
+    ),
+    (
+        "DynamicLossScale(growth_interval=1.5)",
+        lambda: jaxamp.DynamicLossScale(growth_interval=1.5),
+        TypeError,
+        ["growth_interval", "int", "1.5"],
+    ),
+    (
+        "DynamicLossScale(min_loss_scale=8, max_loss_scale=2)",
+        lambda: jaxamp.DynamicLossScale(min_loss_scale=8.0, max_loss_scale=2.0),
+        ValueError,
+        ["min_loss_scale", "max_loss_scale", "8.0", "2.0"],
+    ),
+    (
+        'DynamicLossScale(loss_scale=float("inf"))',
+        lambda: jaxamp.DynamicLossScale(loss_scale=float("inf")),
+        ValueError,
+        ["loss_scale", "finite and > 0", "inf"],
+    ),
+    (
+        "DynamicLossScale(growth_factor=<traced>)",
+        _traced(lambda g: jaxamp.DynamicLossScale(growth_factor=g)),
+        TypeError,
+        ["growth_factor", "static configuration", "traced"],
+    ),
+    (
+        "DynamicLossScale(growth_interval=<traced>)",
+        _traced(lambda g: jaxamp.DynamicLossScale(growth_interval=g)),
+        TypeError,
+        ["growth_interval", "static configuration", "traced"],
+    ),
+    (
+        "StaticLossScale(-1.0)",
+        lambda: jaxamp.StaticLossScale(-1.0),
+        ValueError,
+        ["loss_scale", "finite and > 0", "-1.0"],
+    ),
+    (
+        "scale.adjust(jnp.ones(3, bool))",
+        lambda: jaxamp.DynamicLossScale().adjust(jnp.ones(3, bool)),
+        TypeError,
+        ["grads_finite", "bool scalar", "(3,)"],
+    ),
+    (
+        "scale.adjust(jnp.float32(1))",
+        lambda: jaxamp.DynamicLossScale().adjust(jnp.float32(1)),
+        TypeError,
+        ["grads_finite", "bool scalar", "float32"],
+    ),
+    (
+        "select_tree(pred, {'a': x}, {'b': x})",
+        lambda: jaxamp.select_tree(jnp.asarray(True), {"a": 1.0}, {"b": 1.0}),
+        ValueError,
+        ["on_true and on_false", "same tree structure"],
+    ),
+    (
+        "loss_scaling(optax.sgd(0.1), 2.0**15)",
+        lambda: jaxamp.loss_scaling(optax.sgd(0.1), 2.0**15),
+        TypeError,
+        ["loss_scale", "DynamicLossScale", "float"],
+    ),
+    (
+        "loss_scaling(lambda g: g)",
+        lambda: jaxamp.loss_scaling(lambda g: g),
+        TypeError,
+        ["inner", "optax.GradientTransformation", "function"],
+    ),
+    (
+        "loss_scaling(tx, axis_name=3)",
+        lambda: jaxamp.loss_scaling(optax.sgd(0.1), axis_name=3),
+        TypeError,
+        ["axis_name", "str", "3"],
+    ),
+    (
+        'loss_scaling(tx, grad_reduction="max", axis_name="i")',
+        lambda: jaxamp.loss_scaling(optax.sgd(0.1), grad_reduction="max", axis_name="i"),
+        ValueError,
+        ["grad_reduction", "'mean'", "'max'"],
+    ),
+    (
+        "loss_scaling(tx, accumulation_steps=0)",
+        lambda: jaxamp.loss_scaling(optax.sgd(0.1), accumulation_steps=0),
+        ValueError,
+        ["accumulation_steps", ">= 1", "0"],
+    ),
+    (
+        "tx.update(grads, optax.EmptyState())",
+        lambda: jaxamp.loss_scaling(optax.sgd(0.1)).update({"w": jnp.ones(1)}, optax.EmptyState()),
+        TypeError,
+        ["state", "LossScalingState", "EmptyState"],
+    ),
+    (
+        "get_loss_scale(optax.sgd(0.1).init(params))",
+        lambda: jaxamp.get_loss_scale(optax.sgd(0.1).init({"w": jnp.ones(1)})),
+        ValueError,
+        ["no jaxamp loss-scaling state", "jaxamp.loss_scaling(inner)"],
+    ),
+    (
+        "loss_scaling_metrics({})",
+        lambda: jaxamp.loss_scaling_metrics({}),
+        ValueError,
+        ["no jaxamp loss-scaling state"],
+    ),
+    ("align_dim(-1)", lambda: jaxamp.align_dim(-1), ValueError, ["n", ">= 0", "-1"]),
+    ("align_dim(10, 0)", lambda: jaxamp.align_dim(10, 0), ValueError, ["multiple", ">= 1", "0"]),
+    ("align_dim(<traced>)", _traced(jaxamp.align_dim), TypeError, ["n", "Python int"]),
+    (
+        "pad_to_multiple(x, 8, axis=3)",
+        lambda: jaxamp.pad_to_multiple(jnp.ones((2, 2)), 8, axis=3),
+        ValueError,
+        ["axis 3", "out of range", "(2, 2)"],
+    ),
+    (
+        "pad_to_multiple(x, <traced>)",
+        _traced(lambda m: jaxamp.pad_to_multiple(jnp.ones(3), m)),
+        TypeError,
+        ["multiple", "Python int"],
+    ),
+    (
+        "tensor_core_multiple(jnp.bool_)",
+        lambda: jaxamp.tensor_core_multiple(jnp.bool_),
+        TypeError,
+        ["dtype", "bool"],
+    ),
+    (
+        "inject_fault(jnp.arange(3), 0, 0)",
+        lambda: inject_fault(jnp.arange(3), 0, 0),
+        TypeError,
+        ["x", "floating", "int32"],
+    ),
+]
+
+
+@pytest.mark.parametrize("written, call, error, fragments", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_a_clear_error(written, call, error, fragments):
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{written}: {fragment!r} not in {message!r}"
+
+
+def test_docs_error_table_lists_every_case():
+    text = DOCS.read_text()
+    missing = [written for written, *_ in CASES if f"`{written}`" not in text]
+    assert not missing, f"docs/errors.md lacks rows for: {missing}"
+
+
+def test_no_error_is_an_assert():
+    # Running Python with -O must not change validation: nothing relies on `assert`.
+    for module in pathlib.Path(jaxamp.__file__).parent.rglob("*.py"):
+        source = module.read_text()
+        assert "\n    assert " not in source and "\nassert " not in source, module
