@@ -366,10 +366,14 @@ def _find_state(opt_state: Any) -> LossScalingState:
 def _unwrap_variables(state: LossScalingState) -> LossScalingState:
     # flax.nnx.Optimizer wraps each array of its opt_state in a Variable; give
     # users plain arrays back without importing flax.
-    def unwrap(x):
-        return x.value if hasattr(x, "value") and not isinstance(x, jax.Array) else x
+    # Duck typing on the class, so that no deprecated property is touched.
+    def is_variable(x):
+        return callable(getattr(type(x), "get_value", None)) and not isinstance(x, jax.Array)
 
-    return jax.tree.map(unwrap, state, is_leaf=lambda x: hasattr(x, "value"))
+    def unwrap(x):
+        return x.get_value() if is_variable(x) else x
+
+    return jax.tree.map(unwrap, state, is_leaf=is_variable)
 
 
 def get_loss_scale(opt_state: Any) -> Any:

@@ -1,0 +1,154 @@
+"""Flax NNX: nnx.Optimizer with loss_scaling, skipping, and per-module policies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+import jaxamp.flax
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, **kwargs):
+        self.hidden = nnx.Linear(4, 8, rngs=rngs, **kwargs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs, **kwargs)
+        self.head = nnx.Linear(8, 3, rngs=rngs, **kwargs)
+
+    def __call__(self, x):
+        return self.head(self.norm(nnx.relu(self.hidden(x))))
+
+
+def _loss(model, x, y):
+    logits = model(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _data():
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    return x, jnp.arange(16, dtype=jnp.int32) % 3
+
+
+@nnx.jit
+def _train_step(model, optimizer, x, y):
+    scale = jaxamp.get_loss_scale(optimizer.opt_state)
+    grad_fn = jaxamp.scaled_value_and_grad(_loss, scale, value_and_grad=nnx.value_and_grad)
+    loss, grads = grad_fn(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_get_loss_scale_of_nnx_optimizer_returns_plain_arrays():
+    model = MLP(nnx.Rngs(0))
+    ls = jaxamp.DynamicLossScale(loss_scale=2.0**8, growth_interval=3)
+    optimizer = nnx.Optimizer(model, jaxamp.loss_scaling(optax.sgd(0.1), ls), wrt=nnx.Param)
+    scale = jaxamp.get_loss_scale(optimizer.opt_state)
+    assert type(scale) is jaxamp.DynamicLossScale
+    assert type(scale.loss_scale) is type(jnp.zeros(())) and float(scale.loss_scale) == 256.0
+    assert scale.growth_interval == 3
+    metrics = jaxamp.loss_scaling_metrics(optimizer.opt_state)
+    assert all(isinstance(v, jax.Array) for v in metrics.values())
+
+
+def test_nnx_optimizer_matches_functional_optax_and_skips_bit_identically():
+    ls = jaxamp.DynamicLossScale(loss_scale=2.0**8, growth_interval=2)
+    inner = optax.sgd(0.1, momentum=0.9)
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jaxamp.loss_scaling(inner, ls), wrt=nnx.Param)
+    x, y = _data()
+
+    # Functional reference: plain optax on the unscaled float32 grads.
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.as_pure(params)  # plain arrays, not Variables shared with the model
+    ref_state = inner.init(params)
+
+    def ref_loss(params):
+        return _loss(nnx.merge(graphdef, params), x, y)
+
+    scales = []
+    for step in range(4):
+        xb = x.at[0, 0].set(jnp.inf) if step == 1 else x
+        before = _bits(nnx.state(model, nnx.Param))
+        inner_before = _bits(jaxamp.get_loss_scale(optimizer.opt_state))
+        loss = _train_step(model, optimizer, xb, y)
+        scales.append(float(jaxamp.get_loss_scale(optimizer.opt_state).loss_scale))
+        if step == 1:
+            assert not np.isfinite(float(loss))
+            assert _bits(nnx.state(model, nnx.Param)) == before
+            assert inner_before != _bits(jaxamp.get_loss_scale(optimizer.opt_state))
+            continue
+        ref_value, grads = jax.value_and_grad(ref_loss)(params)
+        np.testing.assert_allclose(float(loss), float(ref_value), rtol=1e-6)
+        updates, ref_state = inner.update(grads, ref_state, params)
+        params = optax.apply_updates(params, updates)
+        for a, b in zip(
+            jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(params), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # 256 -> skip halves to 128 -> two finite steps grow it back to 256.
+    assert scales == [256.0, 128.0, 128.0, 256.0]
+    assert int(jaxamp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]) == 1
+
+
+def test_float16_nnx_training_keeps_float32_params_and_scales_within_range():
+    policy = jaxamp.get_policy("mixed_float16")
+    model = MLP(nnx.Rngs(0), **policy.module_kwargs())
+    # Flax's normalization calls jnp.promote_types(float16, float32), which strict
+    # promotion rejects; LayerNorm in float32 is the usual recipe anyway.
+    jaxamp.flax.set_policy(model, policy, overrides={nnx.LayerNorm: "float32"})
+    assert model.hidden.dtype == jnp.float16 and model.norm.dtype == jnp.float32
+    optimizer = nnx.Optimizer(
+        model, jaxamp.loss_scaling(optax.sgd(0.1), jaxamp.DynamicLossScale()), wrt=nnx.Param
+    )
+    x, y = _data()
+    losses = [float(_train_step(model, optimizer, x, y)) for _ in range(5)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
+    assert float(jaxamp.get_loss_scale(optimizer.opt_state).loss_scale) == 2.0**15
+
+
+def _dot_dtypes(fun, *args):
+    jaxpr = jax.make_jaxpr(fun)(*args)
+    return [
+        tuple(v.aval.dtype.name for v in eqn.invars)
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "dot_general"
+    ]
+
+
+def test_set_policy_with_class_and_path_overrides():
+    model = MLP(nnx.Rngs(0))
+    jaxamp.flax.set_policy(
+        model, "mixed_bfloat16", overrides={nnx.LayerNorm: "float32", "head": "float32"}
+    )
+    assert model.hidden.dtype == jnp.bfloat16 and model.hidden.param_dtype == jnp.float32
+    assert model.norm.dtype == jnp.float32 and model.head.dtype == jnp.float32
+    x, _ = _data()
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, state)(x)
+    assert out.dtype == jnp.float32
+    # hidden's matmul runs in bfloat16, the head's (the logits) in float32.
+    dots = _dot_dtypes(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
+    assert dots == [("bfloat16", "bfloat16"), ("float32", "float32")]
+
+    # A pure float16 policy casts the params themselves.
+    jaxamp.flax.set_policy(model, "float16", overrides={"head": "float32"})
+    assert model.hidden.kernel.dtype == jnp.float16 and model.head.kernel.dtype == jnp.float32
+    assert model.norm.scale.dtype == jnp.float16
+
+
+def test_set_policy_bad_arguments():
+    with pytest.raises(TypeError, match="model must be an nnx.Module"):
+        jaxamp.flax.set_policy({"w": 1}, "float32")
+    with pytest.raises(TypeError, match="overrides keys must be module classes"):
+        jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", {3: "float32"})
+    with pytest.raises(TypeError, match="overrides must be a dict"):
+        jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", [nnx.LayerNorm])
+    with pytest.raises(ValueError, match="invalid policy spec"):
+        jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", {"head": "fp8"})
