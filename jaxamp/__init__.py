@@ -4,6 +4,7 @@ Precision policies, dynamic loss scaling that skips non-finite steps, and
 Tensor Core alignment. See ``shared/API.md`` for the public contract.
 """
 
+import importlib as _importlib
 import importlib.util as _importlib_util
 
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
@@ -22,8 +23,8 @@ from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
-    # The flax adapter registers loss scales with flax.serialization.
-    from jaxamp import _flax_serialization  # noqa: F401
+    # The flax adapter registers loss scales with flax.serialization (it imports flax).
+    _importlib.import_module("jaxamp._flax_serialization")
 
 __all__ = [
     "AccumulationState",
