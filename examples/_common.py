@@ -1,0 +1,219 @@
+"""Helpers shared by the examples: the jitted Flax NNX train step, measurements, tables, plots.
+
+The examples train Flax NNX models the way the README recommends:
+
+* layers get ``policy.module_kwargs()`` (``dtype`` = compute dtype, ``param_dtype`` =
+  float32 master weights), and the model casts its output to ``policy.output_dtype``;
+* ``nnx.Optimizer(model, jaxamp.loss_scaling(tx, loss_scale), wrt=nnx.Param)``;
+* the train step differentiates the SCALED loss and lets the optimizer unscale,
+  check and skip.
+
+The step is a pure function of the split NNX state compiled once with ``jax.jit``
+(``nnx.split``/``nnx.merge`` around it), so that ``jax.jit(step).lower(...)`` gives
+the compiled memory statistics of exactly the step that trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxamp
+
+LossFn = Callable[..., jax.Array]
+
+
+def make_train_step(
+    graphdef: Any, loss_fn: LossFn, *, with_zero_fraction: bool = False
+) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
+    """The pure train step ``step(state, *batch) -> (state, metrics)``.
+
+    Args:
+      graphdef: the graph definition from ``nnx.split((model, optimizer))``.
+      loss_fn: ``loss_fn(model, *batch)`` -> float32 scalar loss (unscaled).
+      with_zero_fraction: also report the fraction of gradient entries that are
+        exactly zero (of the gradients of the scaled loss, as the backward pass
+        produced them), which shows float16 underflow.
+
+    Returns:
+      A function to pass to ``jax.jit``; its metrics are the unscaled ``loss``,
+      the ``loss_scale`` used for this step, ``skipped`` (this step was skipped)
+      and, if asked, ``zero_fraction``.
+    """
+
+    def step(state, *batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        scale = jaxamp.get_loss_scale(optimizer.opt_state)
+        skipped_before = jaxamp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]
+
+        def scaled_loss(model):
+            return scale.scale(loss_fn(model, *batch))
+
+        loss, grads = nnx.value_and_grad(scaled_loss)(model)
+        metrics = {"loss": scale.unscale(loss), "loss_scale": scale.loss_scale}
+        if with_zero_fraction:
+            metrics["zero_fraction"] = zero_fraction(grads)
+        optimizer.update(model, grads)
+        skipped_after = jaxamp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]
+        metrics["skipped"] = skipped_after > skipped_before
+        return nnx.state((model, optimizer)), metrics
+
+    return step
+
+
+def zero_fraction(tree: Any) -> jax.Array:
+    """The fraction of floating-point entries of ``tree`` that are exactly zero."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    zeros = sum(jnp.sum(x == 0, dtype=jnp.int32) for x in leaves)
+    total = sum(x.size for x in leaves)
+    return zeros.astype(jnp.float32) / jnp.float32(total)
+
+
+def compiled_memory(compiled: Any) -> dict[str, int | None]:
+    """Temp and argument bytes of a compiled step (``None`` where the backend gives none)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {"temp_bytes": None, "argument_bytes": None}
+    return {
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "argument_bytes": int(stats.argument_size_in_bytes),
+    }
+
+
+def residual_bytes(loss_fn: LossFn, model: nnx.Module, *batch: Any) -> int:
+    """Bytes the backward pass keeps from the forward pass (the VJP's residuals).
+
+    This is the activation memory of training, independent of the platform and of
+    XLA's buffer assignment: the leaves of the ``jax.vjp`` function of the loss with
+    respect to the parameters. Shapes only; nothing is computed.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def residual_leaves(params, rest, *batch):
+        def of_params(params):
+            return loss_fn(nnx.merge(graphdef, params, rest), *batch)
+
+        return jax.tree.leaves(jax.vjp(of_params, params)[1])
+
+    shapes = jax.eval_shape(residual_leaves, params, rest, *batch)
+    return int(sum(s.size * np.dtype(s.dtype).itemsize for s in shapes))
+
+
+class Timer:
+    """Wall-clock seconds of a block; call ``.stop(value)`` to wait for device work first."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+
+    def stop(self, value: Any = None) -> float:
+        if value is not None:
+            jax.block_until_ready(value)
+        self.seconds = time.perf_counter() - self.start
+        return self.seconds
+
+
+def progress(total: int, desc: str, enabled: bool = True) -> Any:
+    """A tqdm progress bar (a silent stand-in when ``enabled`` is false)."""
+    if not enabled:
+        return contextlib.nullcontext(_SilentBar())
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=True, dynamic_ncols=True)
+
+
+class _SilentBar:
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def set_postfix_str(self, text: str) -> None:
+        del text
+
+
+def stack_history(history: Sequence[dict[str, jax.Array]]) -> dict[str, np.ndarray]:
+    """Per-step metrics (kept on the device while training) as numpy arrays."""
+    if not history:
+        return {}
+    host = jax.device_get(list(history))
+    return {key: np.asarray([h[key] for h in host]) for key in host[0]}
+
+
+def batches(n: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless random index batches; the same seed gives every policy the same batches."""
+    rng = np.random.default_rng(seed)
+    while True:
+        yield rng.integers(0, n, batch_size)
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    """A Markdown table of ``rows``; ``columns`` are ``(key, header)`` pairs."""
+    header = "| " + " | ".join(h for _, h in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [header, rule]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row[k]) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    """Platform, CPU count and JAX devices, for the results README."""
+    devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
+    return (
+        f"{platform.platform()}, {os.cpu_count()} CPU cores, "
+        f"Python {platform.python_version()}, jax {jax.__version__}, devices: {devices}"
+    )
+
+
+def write_markdown(path: Path, title: str, command: str, table: str, notes: str = "") -> None:
+    """Writes a results file: title, the command that produced it, machine, date, table."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    text = (
+        f"# {title}\n\n"
+        f"Command: `{command}`\n\n"
+        f"Machine: {machine_description()}\n\n"
+        f"Date: {stamp}\n\n{table}\n"
+    )
+    if notes:
+        text += f"\n{notes}\n"
+    path.write_text(text)
+
+
+def use_agg_backend() -> Any:
+    """matplotlib with the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average (shorter at the start) for readable loss curves."""
+    values = np.asarray(values, np.float64)
+    window = max(1, min(window, len(values)))
+    cumsum = np.cumsum(np.insert(values, 0, 0.0))
+    end = np.arange(1, len(values) + 1)
+    start = np.maximum(0, end - window)
+    return (cumsum[end] - cumsum[start]) / (end - start)
