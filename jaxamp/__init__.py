@@ -8,6 +8,8 @@ import importlib as _importlib
 import importlib.util as _importlib_util
 
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
+from jaxamp._autocast import autocast
+from jaxamp._autocast_rules import AUTOCAST_RULES
 from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -20,6 +22,7 @@ from jaxamp._optax import (
     scaled_value_and_grad,
 )
 from jaxamp._policy import Policy, get_policy, policy_for_device
+from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
@@ -27,16 +30,20 @@ if _importlib_util.find_spec("flax") is not None:
     _importlib.import_module("jaxamp._flax_serialization")
 
 __all__ = [
+    "AUTOCAST_RULES",
     "AccumulationState",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
+    "MatmulInfo",
     "NoOpLossScale",
     "Policy",
+    "PrecisionReport",
     "StaticLossScale",
     "__version__",
     "align_dim",
     "all_finite",
+    "autocast",
     "cast_floating",
     "get_loss_scale",
     "get_policy",
@@ -44,6 +51,7 @@ __all__ = [
     "loss_scaling_metrics",
     "pad_to_multiple",
     "policy_for_device",
+    "precision_report",
     "scaled_value_and_grad",
     "select_tree",
     "tensor_core_multiple",

@@ -4,5 +4,11 @@ A thin re-export module: each helper lives in the private module of its concept.
 """
 
 from jaxamp._faults import inject_fault, inject_fault_in_leaf
+from jaxamp._report import assert_matmuls_aligned, assert_matmuls_in
 
-__all__ = ["inject_fault", "inject_fault_in_leaf"]
+__all__ = [
+    "assert_matmuls_aligned",
+    "assert_matmuls_in",
+    "inject_fault",
+    "inject_fault_in_leaf",
+]

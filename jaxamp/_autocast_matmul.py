@@ -1,0 +1,155 @@
+"""autocast's matmul rule: 16-bit operands, float32 accumulation, 16-bit result.
+
+The forward product is ``dot_general``/``conv_general_dilated`` with
+``preferred_element_type=float32`` followed by a cast to the compute dtype. Left
+to JAX's own transpose rules, the backward products would mix a float32
+cotangent with a 16-bit operand (the transpose of that cast is an upcast) and
+run in float32. A ``custom_vjp`` keeps the backward pass in the compute dtype
+too: the cotangent stays 16-bit, and each backward product again accumulates in
+float32 and is cast back. Also: zero-padding of dims to a Tensor Core multiple.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from jaxamp import _jaxpr_compat as compat
+from jaxamp._alignment import align_dim
+
+__all__ = ["padded", "run_matmul"]
+
+_F32 = np.dtype(np.float32)
+MATMUL_NAMES = ("dot_general", "conv_general_dilated")
+
+
+def _accumulating(prim: jex.Primitive, params: dict, x, w, dtype: np.dtype):
+    out = prim.bind(x, w, **{**params, "preferred_element_type": _F32})
+    return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)
+
+
+def _eval_accumulating(closed: jex.ClosedJaxpr, args: list, dtype: np.dtype) -> list:
+    """Evaluates a backward jaxpr, re-running its products with float32 accumulation."""
+    env: dict = {}
+
+    def read(atom):
+        return compat.literal_value(atom) if isinstance(atom, jex.Literal) else env[atom]
+
+    for var, const in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+        env[var] = const
+    for var, arg in zip(closed.jaxpr.invars, args, strict=True):
+        env[var] = arg
+    for eqn in closed.jaxpr.eqns:
+        ins = [read(atom) for atom in eqn.invars]
+        if eqn.primitive.name in MATMUL_NAMES:
+            outs = [_accumulating(eqn.primitive, eqn.params, *ins, eqn.outvars[0].aval.dtype)]
+        else:
+            outs = compat.bind_eqn(eqn, ins)
+        for var, out in zip(eqn.outvars, outs, strict=True):
+            env[var] = out
+    return [read(atom) for atom in closed.jaxpr.outvars]
+
+
+def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callable:
+    low_params = {**params, "preferred_element_type": dtype}
+
+    @jax.custom_vjp
+    def matmul(x, w):
+        return _accumulating(prim, params, x, w, dtype)
+
+    def fwd(x, w):
+        return matmul(x, w), (x, w)
+
+    def bwd(residuals, ct):
+        x, w = residuals
+
+        def pullback(x, w, ct):
+            _, vjp = jax.vjp(lambda a, b: prim.bind(a, b, **low_params), x, w)
+            return vjp(ct)
+
+        closed = jax.make_jaxpr(pullback)(x, w, ct)
+        return tuple(_eval_accumulating(closed, [x, w, ct], dtype))
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
+
+
+def run_matmul(eqn: jex.JaxprEqn, x: Any, w: Any, dtype: np.dtype) -> Any:
+    """The product of ``eqn`` on compute-dtype operands, result in ``dtype``."""
+    if dtype.itemsize >= 4:
+        # float32 (or wider) compute: run as written, so a float32 policy is exact.
+        return compat.bind_eqn(eqn, [x, w])[0]
+    return _mixed_matmul(eqn.primitive, dict(eqn.params), dtype)(x, w)
+
+
+def _pad_axis(x, axis: int, multiple: int):
+    extra = align_dim(x.shape[axis], multiple) - x.shape[axis]
+    if extra == 0:
+        return x, 0
+    widths = [(0, 0, 0)] * x.ndim
+    widths[axis] = (0, extra, 0)
+    return jax.lax.pad(x, np.zeros((), x.dtype), widths), extra
+
+
+def _slicer(out_axes: list[tuple[int, int]]) -> Callable | None:
+    out_axes = [(axis, size) for axis, size in out_axes if size is not None]
+    if not out_axes:
+        return None
+
+    def unpad(out):
+        for axis, size in out_axes:
+            out = jax.lax.slice_in_dim(out, 0, size, axis=axis)
+        return out
+
+    return unpad
+
+
+def _pad_dot(params: dict, x, w, multiple: int):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs_free = [d for d in range(x.ndim) if d not in (*lc, *lb)]
+    rhs_free = [d for d in range(w.ndim) if d not in (*rc, *rb)]
+    if lc and math.prod(x.shape[d] for d in lc) % multiple:
+        x, _ = _pad_axis(x, lc[-1], multiple)
+        w, _ = _pad_axis(w, rc[-1], multiple)
+    out_axes = []
+    if lhs_free and math.prod(x.shape[d] for d in lhs_free) % multiple:
+        size = x.shape[lhs_free[-1]]
+        x, _ = _pad_axis(x, lhs_free[-1], multiple)
+        out_axes.append((len(lb) + len(lhs_free) - 1, size))
+    if rhs_free and math.prod(w.shape[d] for d in rhs_free) % multiple:
+        size = w.shape[rhs_free[-1]]
+        w, _ = _pad_axis(w, rhs_free[-1], multiple)
+        out_axes.append((len(lb) + len(lhs_free) + len(rhs_free) - 1, size))
+    return x, w, _slicer(out_axes)
+
+
+def _pad_conv(params: dict, x, w, multiple: int):
+    if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
+        return x, w, None  # grouped/depthwise convolutions keep their channel layout
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    if x.shape[lhs_spec[1]] % multiple:
+        x, _ = _pad_axis(x, lhs_spec[1], multiple)
+        w, _ = _pad_axis(w, rhs_spec[1], multiple)
+    out_axes = []
+    if w.shape[rhs_spec[0]] % multiple:
+        size = w.shape[rhs_spec[0]]
+        w, _ = _pad_axis(w, rhs_spec[0], multiple)
+        out_axes.append((out_spec[1], size))
+    return x, w, _slicer(out_axes)
+
+
+def padded(name: str, params: dict, x, w, multiple: int):
+    """Zero-pads ``x`` and ``w`` so the product's dims are multiples of ``multiple``.
+
+    Returns ``(x, w, unpad)`` where ``unpad`` slices the padded result back (or is
+    None). Zeros in a contracting dim add nothing; padded output rows and columns
+    are sliced away, so the result is unchanged.
+    """
+    if name == "dot_general":
+        return _pad_dot(params, x, w, multiple)
+    return _pad_conv(params, x, w, multiple)

@@ -1,0 +1,181 @@
+"""The one place that knows how jaxprs and their higher-order primitives look.
+
+Everything here uses ``jax.extend.core`` (the public API for jaxpr work). The
+parameter names of higher-order primitives (``jit``'s ``jaxpr``, ``scan``'s
+``num_carry``, ...) change between JAX versions; reading them is confined to
+this file so that a JAX upgrade touches one module. Written against jax 0.10.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+__all__ = [
+    "JIT_NAMES",
+    "REMAT_NAMES",
+    "bind_eqn",
+    "cond_parts",
+    "custom_jvp_parts",
+    "eqn_has_subjaxprs",
+    "jit_parts",
+    "literal_value",
+    "remat_parts",
+    "scan_parts",
+    "sub_closed_jaxprs",
+    "while_parts",
+]
+
+# Names a primitive has had across JAX versions ("pjit" became "jit").
+JIT_NAMES = ("jit", "pjit")
+REMAT_NAMES = ("remat2", "checkpoint", "remat")
+CALL_NAMES = ("closed_call", "core_call", "call")
+
+
+def bind_eqn(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list[Any]:
+    """Runs ``eqn`` as written on ``args`` (under whatever trace is current)."""
+    out = eqn.primitive.bind(*args, **_bind_params(eqn))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _bind_params(eqn: jex.JaxprEqn) -> dict:
+    # jax >= 0.5 returns only params (functions under "subfuns"); older versions
+    # returned (subfuns, params) and took the subfuns as leading bind arguments.
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):
+        raise NotImplementedError(
+            "jaxamp supports jax >= 0.10; this jax returns (subfuns, params) from "
+            "Primitive.get_bind_params."
+        )
+    return params
+
+
+def literal_value(atom: jex.Literal) -> Any:
+    return atom.val
+
+
+def as_closed(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> jex.ClosedJaxpr:
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        return jaxpr
+    return jex.ClosedJaxpr(jaxpr, ())
+
+
+def sub_closed_jaxprs(eqn: jex.JaxprEqn) -> list[jex.ClosedJaxpr]:
+    """The jaxprs held directly in ``eqn``'s params (closed; not recursive)."""
+    found = []
+    for value in eqn.params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, (jex.Jaxpr, jex.ClosedJaxpr)):
+                found.append(as_closed(item))
+    return found
+
+
+def eqn_has_subjaxprs(eqn: jex.JaxprEqn) -> bool:
+    """Whether ``eqn`` is a higher-order primitive (holds jaxprs or functions)."""
+    if sub_closed_jaxprs(eqn):
+        return True
+    return bool(_bind_params(eqn).get("subfuns"))
+
+
+class JitParts(NamedTuple):
+    jaxpr: jex.ClosedJaxpr
+    name: str
+    inline: bool
+
+
+def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
+    p = eqn.params
+    return JitParts(as_closed(p["jaxpr"]), str(p.get("name", "jit")), bool(p.get("inline", False)))
+
+
+def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    return as_closed(eqn.params["call_jaxpr"])
+
+
+class CustomJvpParts(NamedTuple):
+    call_jaxpr: jex.ClosedJaxpr
+    num_consts: int
+    # (zero flags of the non-const tangents) -> (closed jvp jaxpr, output zero flags).
+    # The jvp jaxpr takes (*non-const primals, *nonzero tangents) and returns
+    # (*primal outputs, *nonzero output tangents).
+    jvp_jaxpr: Callable[[Sequence[bool]], tuple[jex.ClosedJaxpr, list[bool]]]
+
+
+def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
+    p = eqn.params
+    jvp_fun = p.get("jvp_jaxpr_fun", p.get("jvp_jaxpr_thunk"))
+
+    def jvp_jaxpr(zeros: Sequence[bool]) -> tuple[jex.ClosedJaxpr, list[bool]]:
+        call = getattr(jvp_fun, "call_wrapped", jvp_fun)
+        jaxpr, consts, out_zeros = call(*zeros)
+        return jex.ClosedJaxpr(jaxpr, list(consts)), list(out_zeros)
+
+    return CustomJvpParts(as_closed(p["call_jaxpr"]), int(p["num_consts"]), jvp_jaxpr)
+
+
+class ScanParts(NamedTuple):
+    jaxpr: jex.ClosedJaxpr
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan_parts(eqn: jex.JaxprEqn) -> ScanParts:
+    p = eqn.params
+    return ScanParts(
+        as_closed(p["jaxpr"]),
+        int(p["num_consts"]),
+        int(p["num_carry"]),
+        int(p["length"]),
+        bool(p["reverse"]),
+        p.get("unroll", 1),
+    )
+
+
+class WhileParts(NamedTuple):
+    cond_jaxpr: jex.ClosedJaxpr
+    cond_nconsts: int
+    body_jaxpr: jex.ClosedJaxpr
+    body_nconsts: int
+
+
+def while_parts(eqn: jex.JaxprEqn) -> WhileParts:
+    p = eqn.params
+    return WhileParts(
+        as_closed(p["cond_jaxpr"]),
+        int(p["cond_nconsts"]),
+        as_closed(p["body_jaxpr"]),
+        int(p["body_nconsts"]),
+    )
+
+
+def cond_parts(eqn: jex.JaxprEqn) -> tuple[jex.ClosedJaxpr, ...]:
+    """The branches of a ``cond``; its first operand is the branch index."""
+    return tuple(as_closed(b) for b in eqn.params["branches"])
+
+
+class RematParts(NamedTuple):
+    jaxpr: jex.ClosedJaxpr
+    prevent_cse: bool
+    policy: Any
+
+
+def remat_parts(eqn: jex.JaxprEqn) -> RematParts:
+    p = eqn.params
+    return RematParts(as_closed(p["jaxpr"]), bool(p.get("prevent_cse", True)), p.get("policy"))
+
+
+def float0_zeros(shape: Sequence[int]) -> np.ndarray:
+    """The tangent of an integer value (what custom_jvp rules see for ints)."""
+    return np.zeros(tuple(shape), dtype=jax.dtypes.float0)
+
+
+def is_float0(x: Any) -> bool:
+    return getattr(x, "dtype", None) == jax.dtypes.float0

@@ -1,0 +1,294 @@
+"""precision_report: the dtype, FLOPs and Tensor Core alignment of every matmul and conv.
+
+It traces the function (nothing runs) and walks the jaxpr, into jit, custom_jvp,
+custom_vjp, scan (FLOPs times the trip count), while, cond and checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+from jaxamp import _jaxpr_compat as compat
+from jaxamp._alignment import tensor_core_multiple
+
+__all__ = [
+    "MatmulInfo",
+    "PrecisionReport",
+    "assert_matmuls_aligned",
+    "assert_matmuls_in",
+    "precision_report",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulInfo:
+    """One matmul-like equation of the traced function.
+
+    Attributes:
+      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      lhs_shape, rhs_shape, out_shape: operand and result shapes.
+      operand_dtypes: dtypes of the two operands (names).
+      accumulation_dtype: ``preferred_element_type`` if set, else the result dtype.
+      out_dtype: the result dtype.
+      flops: 2 * multiply-adds, times the trip count of enclosing scans.
+      dims: the GEMM dims checked for alignment: ``{"M", "N", "K"}`` for a dot
+        (batch dims excluded; products over free/contracting dims), ``{"C_in",
+        "C_out"}`` (channels, NVIDIA's rule for convolutions) for a conv.
+      multiple: ``jaxamp.tensor_core_multiple`` of the operand dtype.
+      aligned: dim name -> whether it is a multiple of ``multiple``.
+      count: how many times it runs (scan trip counts multiplied; a while loop
+        counts once).
+    """
+
+    primitive: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    operand_dtypes: tuple[str, str]
+    accumulation_dtype: str
+    out_dtype: str
+    flops: int
+    dims: dict[str, int]
+    multiple: int
+    aligned: dict[str, bool]
+    count: int = 1
+
+    @property
+    def compute_dtype(self) -> str:
+        """The operand dtype (the wider one when the two differ)."""
+        a, b = (np.dtype(d) for d in self.operand_dtypes)
+        return (a if a.itemsize >= b.itemsize else b).name
+
+    @property
+    def is_aligned(self) -> bool:
+        return all(self.aligned.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """What :func:`precision_report` found. ``str()`` gives a table."""
+
+    matmuls: tuple[MatmulInfo, ...]
+
+    @property
+    def flops_by_dtype(self) -> dict[str, int]:
+        """Total matmul/conv FLOPs per operand dtype."""
+        totals: dict[str, int] = {}
+        for m in self.matmuls:
+            totals[m.compute_dtype] = totals.get(m.compute_dtype, 0) + m.flops
+        return totals
+
+    @property
+    def total_flops(self) -> int:
+        return sum(m.flops for m in self.matmuls)
+
+    def fraction_in(self, dtype: Any) -> float:
+        """The fraction of matmul/conv FLOPs whose operands are ``dtype`` (1.0 if none)."""
+        name = np.dtype(dtype).name
+        total = self.total_flops
+        return 1.0 if total == 0 else self.flops_by_dtype.get(name, 0) / total
+
+    @property
+    def misaligned(self) -> tuple[MatmulInfo, ...]:
+        """The matmuls with a dim that is not a Tensor Core multiple."""
+        return tuple(m for m in self.matmuls if not m.is_aligned)
+
+    def __str__(self) -> str:
+        header = ("op", "lhs", "rhs", "operands", "accum", "out", "GFLOP", "dims (* = misaligned)")
+        rows = [header]
+        for m in self.matmuls:
+            dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
+            rows.append(
+                (
+                    "dot" if m.primitive == "dot_general" else "conv",
+                    "x".join(map(str, m.lhs_shape)),
+                    "x".join(map(str, m.rhs_shape)),
+                    "/".join(_short(d) for d in m.operand_dtypes),
+                    _short(m.accumulation_dtype),
+                    _short(m.out_dtype),
+                    f"{m.flops / 1e9:.4g}",
+                    dims + (f" (x{m.count})" if m.count != 1 else ""),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
+        total = self.total_flops
+        shares = ", ".join(
+            f"{_short(d)} {100.0 * f / total:.1f}%" for d, f in self.flops_by_dtype.items()
+        )
+        lines.append(
+            f"{len(self.matmuls)} matmul/conv ops, {total / 1e9:.4g} GFLOP"
+            + (f" ({shares})" if total else "")
+            + f"; {len(self.misaligned)} with a misaligned dim"
+        )
+        return "\n".join(lines)
+
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
+def _short(name: str) -> str:
+    return _SHORT.get(name, name)
+
+
+def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    batch = math.prod(lhs.shape[d] for d in lb)
+    m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
+    n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in (*rc, *rb))
+    k = math.prod(lhs.shape[d] for d in lc)
+    return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+
+
+def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    _, rhs_spec, _ = eqn.params["dimension_numbers"]
+    c_in = lhs.shape[eqn.params["dimension_numbers"][0][1]]
+    c_out = rhs.shape[rhs_spec[0]]
+    kernel = math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    # Each output element is a dot over (in-features per group) x kernel taps.
+    flops = 2 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * kernel
+    return _info(eqn, count, flops, {"C_in": c_in, "C_out": c_out})
+
+
+def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> MatmulInfo:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    preferred = eqn.params.get("preferred_element_type")
+    accumulation = np.dtype(preferred if preferred is not None else out.dtype).name
+    wider = lhs.dtype if np.dtype(lhs.dtype).itemsize >= np.dtype(rhs.dtype).itemsize else rhs.dtype
+    multiple = tensor_core_multiple(wider)
+    return MatmulInfo(
+        primitive=eqn.primitive.name,
+        lhs_shape=tuple(lhs.shape),
+        rhs_shape=tuple(rhs.shape),
+        out_shape=tuple(out.shape),
+        operand_dtypes=(np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name),
+        accumulation_dtype=accumulation,
+        out_dtype=np.dtype(out.dtype).name,
+        flops=flops * count,
+        dims=dims,
+        multiple=multiple,
+        aligned={k: v % multiple == 0 for k, v in dims.items()},
+        count=count,
+    )
+
+
+def _walk(jaxpr: jex.Jaxpr, count: int) -> Iterator[MatmulInfo]:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            yield _dot_info(eqn, count)
+        elif name == "conv_general_dilated":
+            yield _conv_info(eqn, count)
+        inner = count * compat.scan_parts(eqn).length if name == "scan" else count
+        for sub in compat.sub_closed_jaxprs(eqn):
+            yield from _walk(sub.jaxpr, inner)
+
+
+def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionReport:
+    """Traces ``fun(*args, **kwargs)`` (no execution) and reports its matmuls and convs.
+
+    For every ``dot_general`` and ``conv_general_dilated``, including those inside
+    jit, scan, cond, while, checkpoint and custom derivative rules: shapes,
+    operand and accumulation dtypes, FLOPs and whether each GEMM dim is a multiple
+    of ``jaxamp.tensor_core_multiple`` of its dtype. ``args`` may be arrays or
+    ``jax.ShapeDtypeStruct``. Matmuls in a scan body count once per iteration;
+    in a while body once; every branch of a cond is listed.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> report = jaxamp.precision_report(lambda a, b: a @ b, jnp.ones((8, 12)), jnp.ones((12, 16)))
+    >>> report.flops_by_dtype, [m.aligned for m in report.matmuls]
+    ({'float32': 3072}, [{'M': True, 'N': True, 'K': True}])
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    closed = jax.make_jaxpr(fun)(*args, **kwargs)
+    return PrecisionReport(tuple(_walk(closed.jaxpr, 1)))
+
+
+def _describe(m: MatmulInfo) -> str:
+    return (
+        f"{m.primitive} {m.lhs_shape} x {m.rhs_shape} operands "
+        f"{'/'.join(m.operand_dtypes)} accumulating in {m.accumulation_dtype}"
+    )
+
+
+def assert_matmuls_in(
+    fun: Callable,
+    args: tuple | list,
+    dtype: Any,
+    *,
+    kwargs: dict | None = None,
+    accumulation: Any = None,
+    min_fraction: float = 1.0,
+) -> PrecisionReport:
+    """Asserts that matmuls/convs of ``fun(*args)`` run with ``dtype`` operands.
+
+    Args:
+      fun: the function to trace (nothing runs).
+      args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+      dtype: the operand dtype every matmul must use.
+      kwargs: its keyword arguments.
+      accumulation: if given, the accumulation dtype every matmul must use.
+      min_fraction: the fraction of matmul FLOPs that must be in ``dtype``
+        (1.0: all of them; then ``accumulation`` is checked on every matmul).
+
+    Returns:
+      The report, for further checks.
+
+    Raises:
+      AssertionError: listing the offending matmuls.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> from jaxamp.testing import assert_matmuls_in
+    >>> f = jaxamp.autocast(lambda w, x: x @ w)
+    >>> _ = assert_matmuls_in(f, (jnp.ones((4, 4)), jnp.ones((2, 4))), jnp.bfloat16,
+    ...                       accumulation=jnp.float32)
+    """
+    name = np.dtype(dtype).name
+    report = precision_report(fun, *args, **(kwargs or {}))
+    wrong = [m for m in report.matmuls if m.compute_dtype != name]
+    if accumulation is not None:
+        acc = np.dtype(accumulation).name
+        wrong += [m for m in report.matmuls if m.accumulation_dtype != acc and m not in wrong]
+    fraction = report.fraction_in(name)
+    if fraction < min_fraction or (min_fraction >= 1.0 and wrong):
+        listing = "\n  ".join(_describe(m) for m in wrong) or "(none)"
+        raise AssertionError(
+            f"{100 * fraction:.1f}% of matmul FLOPs have {name} operands "
+            f"(required: {100 * min_fraction:.1f}%"
+            + (f", accumulating in {np.dtype(accumulation).name}" if accumulation else "")
+            + f"). Offending ops:\n  {listing}\n{report}"
+        )
+    return report
+
+
+def assert_matmuls_aligned(
+    fun: Callable, args: tuple | list, *, kwargs: dict | None = None
+) -> PrecisionReport:
+    """Asserts every matmul/conv dim of ``fun(*args)`` is a Tensor Core multiple.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> from jaxamp.testing import assert_matmuls_aligned
+    >>> f = jaxamp.autocast(lambda w, x: x @ w, pad_to=8)
+    >>> _ = assert_matmuls_aligned(f, (jnp.ones((5, 3)), jnp.ones((2, 5))))
+    """
+    report = precision_report(fun, *args, **(kwargs or {}))
+    if report.misaligned:
+        listing = "\n  ".join(
+            f"{_describe(m)}: {m.dims} not all multiples of {m.multiple}" for m in report.misaligned
+        )
+        raise AssertionError(f"misaligned matmuls:\n  {listing}")
+    return report
