@@ -18,6 +18,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+import types
 from pathlib import Path
 
 import jax
@@ -28,19 +30,27 @@ import jaxamp
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
-FENCE = re.compile(r"^```(?P<lang>[^\n`]*)\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+# A fence may be indented (inside a content tab or an admonition): its body is dedented.
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<lang>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
 # Pages that teach by example must have executed examples (guards the extraction itself).
 MUST_HAVE_CODE = ("index.md", "primer.md")
 
 
 def python_blocks(text: str) -> list[str]:
     """The bodies of the fenced blocks whose language is exactly ``python``."""
-    return [m["body"] for m in FENCE.finditer(text) if m["lang"].strip() == "python"]
+    return [
+        textwrap.dedent(m["body"]) for m in FENCE.finditer(text) if m["lang"].strip() == "python"
+    ]
 
 
 def test_fence_extraction_sees_only_python_blocks():
     text = "a\n```python\nx = 1\n```\n```text\nimport torch\n```\n```python\ny = x\n```\n"
     assert python_blocks(text) == ["x = 1\n", "y = x\n"]
+    tabbed = '=== "After"\n\n    ```python\n    if x:\n        z = 2\n    ```\n'
+    assert python_blocks(tabbed) == ["if x:\n    z = 2\n"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
@@ -49,11 +59,17 @@ def test_page_code_runs(page):
     rel = str(page.relative_to(DOCS))
     if rel.startswith(MUST_HAVE_CODE):
         assert blocks, f"{rel} is expected to carry executed examples but has no ```python block"
-    namespace = {"__name__": f"docs_{page.stem}"}
-    with jax.numpy_dtype_promotion("standard"):
-        for number, block in enumerate(blocks, 1):
-            code = compile(block, f"{rel} (python block {number})", "exec")
-            exec(code, namespace)
+    # A real module, registered while the page runs: dataclasses (flax.struct,
+    # TrainState subclasses) look their defining module up in sys.modules.
+    module = types.ModuleType(f"docs_page_{page.stem.replace('-', '_')}")
+    sys.modules[module.__name__] = module
+    try:
+        with jax.numpy_dtype_promotion("standard"):
+            for number, block in enumerate(blocks, 1):
+                code = compile(block, f"{rel} (python block {number})", "exec")
+                exec(code, module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
 
 
 def _public_names(module) -> set[str]:
