@@ -133,10 +133,13 @@ def loss_scaling(
       axis_name: for ``shard_map``/``pmap`` code: the mapped axis (or axes) over
         which the finite flag is combined, so every device skips together. Not
         needed under ``jax.jit`` with sharded arrays, where the check is global.
-      grad_reduction: ``"mean"`` or ``"sum"`` also reduces the gradients over
+      grad_reduction: ``"mean"`` or ``"sum"`` also all-reduces the gradients over
         ``axis_name`` (in float32 for 16-bit leaves, before unscaling, so that
-        scaled float16 grads cannot overflow in the all-reduce); ``None`` (the
-        default) leaves them as they are.
+        scaled float16 grads cannot overflow in the all-reduce), for code where
+        each device holds its own grads: ``pmap``, ``shard_map(check_vma=False)``.
+        Under ``shard_map``'s default ``check_vma=True`` JAX already sums the
+        grads of replicated params in the backward pass: keep ``None`` (the
+        default) there and ``lax.pmean`` the loss instead.
       accumulation_steps: micro-batches per optimizer step (default 1).
 
     Returns:
