@@ -148,3 +148,16 @@ def test_linen_policy_keeps_explicit_dtypes_unless_overridden():
         jaxamp.flax.linen_policy("float32", {1.5: "float32"}),
     ):
         pass
+
+
+def test_train_state_step_counts_applied_windows_when_accumulating():
+    params = {"w": jnp.ones(2)}
+    tx = jaxamp.loss_scaling(optax.sgd(1.0), jaxamp.StaticLossScale(4.0), accumulation_steps=2)
+    state = jaxamp.flax.LossScaledTrainState.create(apply_fn=None, params=params, tx=tx)
+    grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]), jnp.array([jnp.inf, 0.0]), jnp.ones(2)]
+    steps = []
+    for g in grads:
+        state = state.apply_gradients(grads=state.loss_scale.scale({"w": g}))
+        steps.append(int(state.step))
+    assert steps == [0, 1, 1, 1]  # window 1 applied; window 2 skipped
+    np.testing.assert_array_equal(state.params["w"], [-1.0, -2.0])

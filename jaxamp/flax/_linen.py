@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
-from flax import struct
 from flax.training import train_state
 
 from jaxamp._casting import cast_floating
@@ -78,21 +77,19 @@ class LossScaledTrainState(train_state.TrainState):
 
     def apply_gradients(self, *, grads, **kwargs):
         """Unscales ``grads``, and applies them only when they are all finite."""
-        grads_with_opt = grads
-        params_with_opt = self.params
-        updates, new_opt_state = self.tx.update(grads_with_opt, self.opt_state, params_with_opt)
-        new_params = optax.apply_updates(params_with_opt, updates)
-        skipped = _find_states(new_opt_state)[0].consecutive_skips > 0
+        updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
+        new_params = optax.apply_updates(self.params, updates)
+        new = _find_states(new_opt_state)[0]
+        # Applied: the step was finite and, when accumulating, it closed a window.
+        applied = new.consecutive_skips == 0
+        if new.accumulation is not None:
+            applied = applied & (new.accumulation.mini_step == 0)
         return self.replace(
-            step=jnp.where(skipped, self.step, self.step + 1),
+            step=jnp.where(applied, self.step + 1, self.step),
             params=new_params,
             opt_state=new_opt_state,
             **kwargs,
         )
-
-
-# A field so that subclasses of flax.struct dataclasses stay pytrees.
-LossScaledTrainState = struct.dataclass(LossScaledTrainState)
 
 
 @contextlib.contextmanager
