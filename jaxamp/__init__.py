@@ -56,3 +56,10 @@ __all__ = [
     "select_tree",
     "tensor_core_multiple",
 ]
+
+
+def __getattr__(name: str):
+    # `jaxamp.flax` imports flax, so it loads on first use, not with jaxamp.
+    if name == "flax":
+        return _importlib.import_module("jaxamp.flax")
+    raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")
