@@ -73,7 +73,7 @@ def test_train_state_matches_plain_train_state_and_skips_without_advancing_step(
         else:
             state, loss = _step(state, x, y)
             ref = ref_step(ref, x, y)
-            # Power-of-two scales make the scaled grads exact multiples: same params.
+            # Same trajectory as the plain TrainState on the unscaled grads.
             for a, b in zip(
                 jax.tree.leaves(state.params), jax.tree.leaves(ref.params), strict=True
             ):
