@@ -218,14 +218,14 @@ def underflow_run(steps=1000, probe_every=25, batch=128, hidden=128, seed=0):
     rng = np.random.default_rng(seed)
     record = {key: [] for key in ("step", "loss", "loss_scale", "share_unscaled", "share_scaled")}
     magnitudes = None
-    loss = float("nan")
+    loss = None  # no step taken yet at the first probe (JSON null)
     for step in range(steps + 1):
         idx = rng.integers(0, len(x_all), batch)
         x, y = x_all[idx], y_all[idx]
         if step % probe_every == 0 or step == steps:
             share_unscaled, share_scaled, loss_scale, magnitudes = probe(params, opt_state, x, y)
             record["step"].append(step)
-            record["loss"].append(float(loss))
+            record["loss"].append(None if loss is None else float(loss))
             record["loss_scale"].append(float(loss_scale))
             record["share_unscaled"].append(float(share_unscaled))
             record["share_scaled"].append(float(share_scaled))

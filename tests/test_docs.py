@@ -36,7 +36,7 @@ FENCE = re.compile(
     re.MULTILINE | re.DOTALL,
 )
 # Pages that teach by example must have executed examples (guards the extraction itself).
-MUST_HAVE_CODE = ("index.md", "primer.md")
+MUST_HAVE_CODE = ("index.md", "primer.md", "troubleshooting.md", "migration/")
 
 
 def python_blocks(text: str) -> list[str]:
@@ -137,14 +137,14 @@ def test_figure_facts_come_from_finfo():
 def test_underflow_run_measures_real_underflow():
     # A short version of the run behind docs/figures/fp16_underflow.png.
     with jax.numpy_dtype_promotion("standard"):
-        record = _load_make_figures().underflow_run(steps=60, probe_every=30, hidden=32)
-    assert record["step"] == [0, 30, 60]
+        record = _load_make_figures().underflow_run(steps=30, probe_every=15, hidden=32)
+    assert record["step"] == [0, 15, 30]
     assert record["skipped_steps"] == 0 and record["loss_scale"] == [2.0**15] * 3
     unscaled, scaled = record["share_unscaled"], record["share_scaled"]
     assert all(0.0 <= s <= u <= 1.0 for s, u in zip(scaled, unscaled, strict=True))
-    # Training shrinks the gradients, so float16 without scaling loses some entries.
+    # Training shrinks the gradients: float16 without scaling already loses entries.
     assert unscaled[-1] > 0.0
-    assert record["loss"][-1] < 1.0
+    assert record["loss"][0] is None and record["loss"][-1] < record["loss"][1]
 
 
 def test_site_builds_strict(tmp_path):
