@@ -68,25 +68,31 @@ def test_nnx_optimizer_matches_functional_optax_and_skips_bit_identically():
     params = nnx.as_pure(params)  # plain arrays, not Variables shared with the model
     ref_state = inner.init(params)
 
-    def ref_loss(params):
-        return _loss(nnx.merge(graphdef, params), x, y)
+    @jax.jit
+    def ref_step(params, ref_state):
+        value, grads = jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p), x, y))(params)
+        updates, ref_state = inner.update(grads, ref_state, params)
+        return value, optax.apply_updates(params, updates), ref_state
 
     scales = []
     for step in range(4):
         xb = x.at[0, 0].set(jnp.inf) if step == 1 else x
         before = _bits(nnx.state(model, nnx.Param))
-        inner_before = _bits(jaxamp.get_loss_scale(optimizer.opt_state))
+        momentum_before = _bits(nnx.as_pure(optimizer.opt_state).inner_state)
+        scale_before = _bits(jaxamp.get_loss_scale(optimizer.opt_state))
         loss = _train_step(model, optimizer, xb, y)
         scales.append(float(jaxamp.get_loss_scale(optimizer.opt_state).loss_scale))
         if step == 1:
             assert not np.isfinite(float(loss))
             assert _bits(nnx.state(model, nnx.Param)) == before
-            assert inner_before != _bits(jaxamp.get_loss_scale(optimizer.opt_state))
+            assert _bits(nnx.as_pure(optimizer.opt_state).inner_state) == momentum_before
+            # (a non-trivial momentum from step 0, kept exactly)
+            momentum = jax.tree.leaves(nnx.as_pure(optimizer.opt_state).inner_state)
+            assert any(np.any(np.asarray(m) != 0) for m in momentum)
+            assert scale_before != _bits(jaxamp.get_loss_scale(optimizer.opt_state))
             continue
-        ref_value, grads = jax.value_and_grad(ref_loss)(params)
+        ref_value, params, ref_state = ref_step(params, ref_state)
         np.testing.assert_allclose(float(loss), float(ref_value), rtol=1e-6)
-        updates, ref_state = inner.update(grads, ref_state, params)
-        params = optax.apply_updates(params, updates)
         for a, b in zip(
             jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(params), strict=True
         ):
