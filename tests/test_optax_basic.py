@@ -88,6 +88,9 @@ def test_get_loss_scale_finds_nested_states():
         )(learning_rate=0.1).init(params),
     ):
         assert float(jaxamp.get_loss_scale(state).loss_scale) == 16.0
+    with jax.numpy_dtype_promotion("standard"):  # MultiSteps itself needs it
+        multi = optax.MultiSteps(wrapped, every_k_schedule=2).init(params)
+    assert float(jaxamp.get_loss_scale(multi).loss_scale) == 16.0
     with pytest.raises(ValueError, match="no jaxamp loss-scaling state"):
         jaxamp.get_loss_scale(optax.sgd(0.1).init(params))
 
