@@ -187,15 +187,18 @@ def loss_scaling(
             accumulation = AccumulationState(zero, jnp.asarray(True), grad_sum)
         return LossScalingState(loss_scale, inner.init(params), zero, zero, accumulation)
 
-    def reduce_and_unscale(updates, scale):
+    def reduce_and_unscale(updates, scale, keep_dtype):
+        # keep_dtype=False keeps 16-bit grads in float32 after unscaling, so that
+        # the accumulator does not lose the small values the scale protected.
         if grad_reduction is None:
-            return scale.unscale(updates)
+            return scale.unscale(updates if keep_dtype else jax.tree.map(_wide, updates))
         reduce = jax.lax.pmean if grad_reduction == "mean" else jax.lax.psum
 
         def one(g):
             if not _is_float(g):
                 return g
-            return scale.unscale(reduce(_wide(g), axis_name)).astype(g.dtype)
+            unscaled = scale.unscale(reduce(_wide(g), axis_name))
+            return unscaled.astype(g.dtype) if keep_dtype else unscaled
 
         return jax.tree.map(one, updates)
 
@@ -221,19 +224,19 @@ def loss_scaling(
                 "state must be the LossScalingState returned by this transformation's "
                 f"init; got {type(state).__name__}."
             )
-        grads = reduce_and_unscale(updates, state.loss_scale)
+        grads = reduce_and_unscale(updates, state.loss_scale, accumulation_steps == 1)
         finite = all_finite(grads)
         if axis_name is not None:
             # A skip anywhere is a skip everywhere: min over the devices' flags.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
         if accumulation_steps > 1:
-            return accumulate(grads, finite, state, params, extra_args)
+            return accumulate(grads, updates, finite, state, params, extra_args)
         new_updates, inner_state = apply_or_skip(
             grads, finite, state.inner_state, params, extra_args
         )
         return new_updates, _next_state(state, finite, inner_state)
 
-    def accumulate(grads, finite, state, params, extra_args):
+    def accumulate(grads, updates, finite, state, params, extra_args):
         acc = state.accumulation
         if acc is None:
             raise TypeError(
@@ -250,10 +253,12 @@ def loss_scaling(
         )
         window_finite = acc.window_finite & finite
         end = acc.mini_step == accumulation_steps - 1
+        # inner gets the window's mean in each grad's own dtype.
         mean = jax.tree.map(
-            lambda s, g: g if s is None else (s / accumulation_steps).astype(g.dtype),
+            lambda s, g, u: g if s is None else (s / accumulation_steps).astype(u.dtype),
             grad_sum,
             grads,
+            updates,
             is_leaf=lambda x: x is None,
         )
         new_updates, inner_state = apply_or_skip(

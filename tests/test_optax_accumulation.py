@@ -118,3 +118,17 @@ def test_accumulation_bad_arguments():
         jaxamp.loss_scaling(optax.sgd(0.1), axis_name="d", grad_reduction="avg")
     with pytest.raises(TypeError, match="axis_name must be None"):
         jaxamp.loss_scaling(optax.sgd(0.1), axis_name=3)
+
+
+def test_float16_grads_accumulate_unscaled_in_float32_without_underflow():
+    params = {"h": jnp.zeros(2, jnp.float16)}
+    ls = jaxamp.StaticLossScale(2.0**15)
+    tx = jaxamp.loss_scaling(optax.sgd(1.0), ls, accumulation_steps=2)
+    tiny = 2.0**-26  # below float16's smallest subnormal (2**-24); 2**-11 once scaled
+    scaled = {"h": jnp.full(2, tiny * 2.0**15, jnp.float16)}
+    assert float(scaled["h"][0]) == 2.0**-11
+    _, state = tx.update(scaled, tx.init(params), params)
+    assert state.accumulation.grad_sum["h"].dtype == jnp.float32
+    np.testing.assert_array_equal(state.accumulation.grad_sum["h"], [tiny, tiny])
+    updates, state = tx.update(scaled, state, params)
+    assert updates["h"].dtype == jnp.float16  # inner works in the grads' dtype
