@@ -1,8 +1,11 @@
 """Finiteness checks and selection over whole pytrees, built to compile fast.
 
-jmp chains one scalar ``and`` per leaf; XLA's compile time then grows
-super-linearly with the leaf count. Here each leaf reduces to one bool, the
-bools are stacked, and one reduction finishes: a flat graph.
+One reduction per leaf (jmp's and optax's pattern) is one more kernel per leaf
+for XLA to schedule, fuse and compile, and it keeps every gradient live at once:
+XLA's compile time then grows super-linearly with the leaf count (benchmarks/,
+BENCHMARKS.md). Here the leaves of each dtype are flattened and concatenated
+into a few groups, each checked by one fused ``isfinite``-and-reduce: the number
+of kernels no longer grows with the leaf count.
 """
 
 from __future__ import annotations
@@ -27,16 +30,38 @@ def all_finite(tree: Any) -> jax.Array:
     >>> jaxamp.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])])
     Array(False, dtype=bool)
     """
+    by_dtype: dict[np.dtype, list[Any]] = {}
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact):
+            by_dtype.setdefault(np.dtype(x.dtype), []).append(jnp.ravel(x))
     flags = [
-        jnp.isfinite(x).all()
-        for x in jax.tree.leaves(tree)
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+        jnp.isfinite(group[0] if len(group) == 1 else jnp.concatenate(group)).all()
+        for leaves in by_dtype.values()
+        for group in _groups(leaves)
     ]
     if not flags:
         return jnp.asarray(True)
     if len(flags) == 1:
         return flags[0]
     return jnp.stack(flags).all()
+
+
+# Elements per concatenated group: XLA fuses the concatenation into the reduction
+# on CPU; where a backend would materialise it, the copy stays bounded (16 MiB f32).
+_GROUP_ELEMENTS = 1 << 22
+
+
+def _groups(leaves: list[Any]) -> list[list[Any]]:
+    """Consecutive runs of flat leaves of at most ``_GROUP_ELEMENTS`` (or one big leaf)."""
+    groups: list[list[Any]] = []
+    size = 0
+    for x in leaves:
+        if not groups or size + x.size > _GROUP_ELEMENTS:
+            groups.append([])
+            size = 0
+        groups[-1].append(x)
+        size += x.size
+    return groups
 
 
 def check_finite_flag(flag: Any, name: str = "grads_finite") -> jax.Array:

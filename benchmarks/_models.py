@@ -1,0 +1,166 @@
+"""Models shared by the benchmarks: a deep MLP with an exact leaf count, and a GPT-style Flax model.
+
+Every loss returns a float32 scalar whatever the compute dtype, as a mixed-precision
+training loop would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ----------------------------------------------------------------------------- MLP
+
+
+def mlp_params(n_leaves: int, width: int = 16, seed: int = 0) -> dict[str, jax.Array]:
+    """Parameters of a chain of ``n_leaves // 2`` dense layers (one weight, one bias each).
+
+    The leaf count is the knob of ``compile_scaling``: real models have hundreds of
+    leaves (a 24-layer transformer: 300+).
+    """
+    if n_leaves < 2 or n_leaves % 2:
+        raise ValueError(f"n_leaves must be an even number >= 2; got {n_leaves}.")
+    rng = np.random.default_rng(seed)
+    params = {}
+    for i in range(n_leaves // 2):
+        w = rng.normal(0.0, 1.0 / np.sqrt(width), (width, width)).astype(np.float32)
+        params[f"layer{i:04d}_w"] = jnp.asarray(w)
+        params[f"layer{i:04d}_b"] = jnp.zeros((width,), jnp.float32)
+    return params
+
+
+def mlp_batch(width: int = 16, batch: int = 8, seed: int = 1) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": jnp.asarray(rng.normal(size=(batch, width)).astype(np.float32)),
+        "y": jnp.asarray(rng.normal(size=(batch, width)).astype(np.float32)),
+    }
+
+
+def mlp_loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean squared error of the tanh chain; the last layer is linear."""
+    names = sorted(k[:-2] for k in params if k.endswith("_w"))
+    x = batch["x"]
+    for i, name in enumerate(names):
+        x = x @ params[name + "_w"] + params[name + "_b"]
+        if i + 1 < len(names):
+            x = jnp.tanh(x)
+    return jnp.mean(jnp.square(x - batch["y"]))
+
+
+# ----------------------------------------------------------------------------- GPT
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2 style decoder; ``vocab``, ``d_model``, ``d_ff`` are the dims Tensor Cores see."""
+
+    vocab: int = 256
+    seq: int = 64
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 512
+    n_layers: int = 4
+    batch: int = 8
+
+    def padded(self, multiple: int) -> GPTConfig:
+        """The same model with vocab, model and MLP widths rounded up to ``multiple``."""
+        from jaxamp import align_dim
+
+        return GPTConfig(
+            vocab=align_dim(self.vocab, multiple),
+            seq=self.seq,
+            d_model=align_dim(self.d_model, multiple),
+            n_heads=self.n_heads,
+            d_ff=align_dim(self.d_ff, multiple),
+            n_layers=self.n_layers,
+            batch=self.batch,
+        )
+
+    def n_params(self) -> int:
+        per_layer = 4 * self.d_model**2 + 2 * self.d_model * self.d_ff + 9 * self.d_model
+        per_layer += self.d_ff
+        return (
+            self.vocab * self.d_model
+            + self.seq * self.d_model
+            + self.n_layers * per_layer
+            + 2 * self.d_model
+            + self.d_model * self.vocab
+            + self.vocab
+        )
+
+    def train_flops_per_step(self) -> float:
+        """Model FLOPs of one forward+backward (PaLM appendix B: 6N per token + attention)."""
+        tokens = self.batch * self.seq
+        attention = 12 * self.n_layers * self.d_model * self.seq
+        return float(tokens * (6 * self.n_params() + attention))
+
+
+class _Block(nn.Module):
+    config: GPTConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        h = nn.LayerNorm(**kw)(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=c.n_heads, qkv_features=c.d_model, out_features=c.d_model, **kw
+        )(h, h, mask=mask)
+        x = x + h
+        h = nn.LayerNorm(**kw)(x)
+        h = nn.Dense(c.d_ff, **kw)(h)
+        h = nn.gelu(h)
+        h = nn.Dense(c.d_model, **kw)(h)
+        return x + h
+
+
+class GPT(nn.Module):
+    """Token + position embedding, ``n_layers`` pre-LN blocks, final LN, untied LM head."""
+
+    config: GPTConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
+        x = nn.Embed(c.vocab, c.d_model, **kw)(tokens)
+        pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq, c.d_model))
+        x = x + jnp.asarray(pos, x.dtype)
+        for _ in range(c.n_layers):
+            x = _Block(c, **kw)(x)
+        x = nn.LayerNorm(**kw)(x)
+        return nn.Dense(c.vocab, **kw)(x)
+
+
+def gpt_batch(config: GPTConfig, seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, config.vocab, (config.batch, config.seq + 1), dtype=np.int32)
+    return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+
+
+def gpt_init(model: GPT, config: GPTConfig, seed: int = 0) -> Any:
+    tokens = jnp.zeros((1, config.seq), jnp.int32)
+    return model.init(jax.random.key(seed), tokens)["params"]
+
+
+def gpt_loss_fn(model: GPT) -> Any:
+    """``loss(params, batch)``: next-token cross-entropy, computed in float32."""
+
+    def loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        logits = model.apply({"params": params}, batch["inputs"]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)
+        return -jnp.mean(picked)
+
+    return loss

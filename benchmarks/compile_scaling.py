@@ -1,0 +1,170 @@
+"""Compile time of a loss-scaled train step as the number of parameter leaves grows.
+
+For each model size (a chain of dense layers with exactly N parameter leaves, Adam, so the
+optimizer state holds 2N more) every variant of ``_variants.VARIANTS`` is lowered and
+compiled from a freshly built step function after ``jax.clear_caches()``; variants are
+interleaved in one process (rotating order) and medians are reported, as ratios to the plain
+optax step measured in the same run. Both wall time and this process's CPU time are recorded:
+on a shared machine, CPU time is the less noisy of the two.
+
+A variant whose compile time, extrapolated linearly from the previous size (a lower bound for
+a super-linear variant), exceeds the per-(variant, size) budget is skipped at that size and the
+larger ones, and recorded as skipped with the reason; no number is ever made up.
+
+    python -m benchmarks.compile_scaling            # full run (sizes 10, 100, 300, 1000)
+    python -m benchmarks.compile_scaling --smoke    # seconds
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from benchmarks import _harness, _models
+from benchmarks._variants import REFERENCE, VARIANTS
+
+NAME = "compile_scaling"
+
+
+def _measure(name: str, n_leaves: int, state: Any, batch: Any) -> tuple[float, float]:
+    def build_step():
+        return VARIANTS[name](_models.mlp_loss, optax.adam(1e-3)).step
+
+    cpu_start = time.process_time()
+    wall = _harness.time_compile(build_step, (state, batch))
+    return wall, time.process_time() - cpu_start
+
+
+def run(
+    sizes: Sequence[int], reps: int, budget_s: float, variants: Sequence[str] = tuple(VARIANTS)
+) -> list[dict[str, Any]]:
+    """Measures every (variant, size); returns one record per pair, skipped ones included."""
+    batch = _models.mlp_batch()
+    results: list[dict[str, Any]] = []
+    previous: dict[str, tuple[int, float]] = {}  # variant -> (size, median wall s)
+    skipped: dict[str, str] = {}
+    for n_leaves in sizes:
+        params = _models.mlp_params(n_leaves)
+        active = []
+        for name in variants:
+            if name not in skipped and name in previous:
+                prev_size, prev_wall = previous[name]
+                predicted = prev_wall * n_leaves / prev_size
+                if predicted > budget_s:
+                    skipped[name] = (
+                        f"{prev_wall:.1f} s at {prev_size} leaves extrapolates linearly (a "
+                        f"lower bound) to {predicted:.0f} s at {n_leaves} leaves, over the "
+                        f"{budget_s:.0f} s budget per (variant, size)"
+                    )
+            if name in skipped:
+                results.append(
+                    {
+                        "variant": name,
+                        "n_leaves": n_leaves,
+                        "status": "skipped",
+                        "reason": skipped[name],
+                    }
+                )
+            else:
+                active.append(name)
+        states = {
+            name: VARIANTS[name](_models.mlp_loss, optax.adam(1e-3)).init(params) for name in active
+        }
+        walls: dict[str, list[float]] = {name: [] for name in active}
+        cpus: dict[str, list[float]] = {name: [] for name in active}
+        for rep in range(reps):
+            for name in _harness.rotated(active, rep):
+                # Later repetitions only while this (variant, size) is within its budget.
+                if rep and sum(walls[name]) + walls[name][-1] > budget_s:
+                    continue
+                wall, cpu = _measure(name, n_leaves, states[name], batch)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
+                print(
+                    f"  {n_leaves:5d} leaves  {name:22s} rep {rep}: wall {wall:7.2f} s  "
+                    f"cpu {cpu:7.2f} s",
+                    flush=True,
+                )
+        for name in active:
+            median_wall = _harness.median(walls[name])
+            previous[name] = (n_leaves, median_wall)
+            results.append(
+                {
+                    "variant": name,
+                    "n_leaves": n_leaves,
+                    "status": "ok",
+                    "reps": len(walls[name]),
+                    "wall_s": walls[name],
+                    "cpu_s": cpus[name],
+                    "median_wall_s": median_wall,
+                    "median_cpu_s": _harness.median(cpus[name]),
+                }
+            )
+    _add_ratios(results)
+    return results
+
+
+def _add_ratios(results: list[dict[str, Any]]) -> None:
+    reference = {
+        r["n_leaves"]: r for r in results if r["variant"] == REFERENCE and r["status"] == "ok"
+    }
+    for r in results:
+        ref = reference.get(r["n_leaves"])
+        if r["status"] == "ok" and ref is not None:
+            r["ratio_wall"] = r["median_wall_s"] / ref["median_wall_s"]
+            r["ratio_cpu"] = r["median_cpu_s"] / ref["median_cpu_s"]
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    headers = ["variant", "leaves", "reps", "wall s", "x plain (wall)", "cpu s", "x plain (cpu)"]
+    rows = []
+    for r in results:
+        if r["status"] == "ok":
+            rows.append(
+                [
+                    r["variant"],
+                    r["n_leaves"],
+                    r["reps"],
+                    r["median_wall_s"],
+                    r.get("ratio_wall"),
+                    r["median_cpu_s"],
+                    r.get("ratio_cpu"),
+                ]
+            )
+        else:
+            rows.append([r["variant"], r["n_leaves"], 0, "skipped", "", "", ""])
+    return _harness.format_table(headers, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = _harness.parse_args(__doc__.splitlines()[0], argv)
+    if args.smoke:
+        config = {"sizes": [4], "reps": 1, "budget_s": 60.0}
+    else:
+        config = {"sizes": [10, 100, 300, 1000], "reps": 5, "budget_s": 60.0}
+    config.update(
+        model="chain of 16x16 dense layers (weight + bias per layer)",
+        batch=8,
+        optimizer="optax.adam(1e-3)",
+        timed="jax.jit(step).lower(state, batch).compile()",
+    )
+    # optax.adam mixes Python floats with int32 counts, which strict promotion rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        results = run(config["sizes"], config["reps"], config["budget_s"])
+    print(table(results))
+    payload = {
+        "benchmark": NAME,
+        "machine": _harness.machine_info(),
+        "config": config,
+        "results": results,
+    }
+    _harness.write_json(args.out or _harness.default_out(NAME, args.smoke), payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
