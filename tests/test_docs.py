@@ -107,11 +107,14 @@ def test_api_directives_name_real_objects():
 
 
 def test_primer_quotes_the_figure_data():
-    summary = json.loads((DOCS / "figures" / "fp16_underflow.json").read_text())["summary"]
+    data = json.loads((DOCS / "figures" / "fp16_underflow.json").read_text())
     primer = (DOCS / "primer.md").read_text()
-    for key, value in summary.items():
+    for key, value in data["summary"].items():
         quoted = f"{100 * value:.1f}%"
         assert quoted in primer, f"primer.md should quote {key} = {quoted} (from the JSON)"
+    steps = data["settings"]["steps"]
+    assert f"skipped none in {steps} steps" in primer
+    assert data["skipped_steps"] == 0
 
 
 def _load_make_figures():
