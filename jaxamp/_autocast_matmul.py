@@ -28,7 +28,30 @@ _F32 = np.dtype(np.float32)
 MATMUL_NAMES = ("dot_general", "conv_general_dilated")
 
 
+def _canonical_dot(params: dict, x, w):
+    # Batched dots as (batch, free, contract) x (batch, contract, free). XLA:CPU has no
+    # bf16 x bf16 -> f32 kernel for some other layouts (e.g. the transposes JAX's
+    # autodiff produces for attention) and fails at run time; this form works, and
+    # the result layout (batch, lhs free, rhs free) is the same as the original's.
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    if not lb:
+        return params, x, w
+    lf = [d for d in range(x.ndim) if d not in (*lc, *lb)]
+    rf = [d for d in range(w.ndim) if d not in (*rc, *rb)]
+    lhs_perm, rhs_perm = (*lb, *lf, *lc), (*rb, *rc, *rf)
+    if lhs_perm != tuple(range(x.ndim)):
+        x = jax.lax.transpose(x, lhs_perm)
+    if rhs_perm != tuple(range(w.ndim)):
+        w = jax.lax.transpose(w, rhs_perm)
+    nb, nf, nc = len(lb), len(lf), len(lc)
+    batch = tuple(range(nb))
+    contract = (tuple(range(nb + nf, nb + nf + nc)), tuple(range(nb, nb + nc)))
+    return {**params, "dimension_numbers": (contract, (batch, batch))}, x, w
+
+
 def _accumulating(prim: jex.Primitive, params: dict, x, w, dtype: np.dtype):
+    if prim.name == "dot_general":
+        params, x, w = _canonical_dot(params, x, w)
     out = prim.bind(x, w, **{**params, "preferred_element_type": _F32})
     return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)
 
