@@ -36,7 +36,7 @@ FENCE = re.compile(
     re.MULTILINE | re.DOTALL,
 )
 # Pages that teach by example must have executed examples (guards the extraction itself).
-MUST_HAVE_CODE = ("index.md", "primer.md", "troubleshooting.md", "migration/")
+MUST_HAVE_CODE = ("index.md", "primer.md", "guide.md", "troubleshooting.md", "migration/")
 
 
 def python_blocks(text: str) -> list[str]:
