@@ -1,0 +1,203 @@
+"""autocast inside jit, custom_jvp/custom_vjp, scan, while, cond, checkpoint; rules; errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+W = jax.random.normal(jax.random.key(0), (8, 8), jnp.float32) * 0.3
+X = jax.random.normal(jax.random.key(1), (4, 8), jnp.float32)
+
+
+def _dot_dtypes(fun, *args):
+    report = jaxamp.precision_report(fun, *args)
+    return {m.operand_dtypes for m in report.matmuls}, report
+
+
+def _close(got, want, tol=3e-2):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.abs(got - want).max() <= tol * max(np.abs(want).max(), 1e-6)
+
+
+def _check(fun, *args, grad=True):
+    """autocast(fun) is bf16 in every matmul, close to fun, and differentiable."""
+    ac = jaxamp.autocast(fun)
+    dtypes, _ = _dot_dtypes(ac, *args)
+    assert dtypes == {("bfloat16", "bfloat16")}
+    _close(jax.jit(ac)(*args), fun(*args))
+    if grad:
+        loss = lambda *a: jnp.sum(fun(*a) ** 2)  # noqa: E731
+        ac_loss = lambda *a: jnp.sum(ac(*a) ** 2)  # noqa: E731
+        got = jax.jit(jax.grad(ac_loss))(*args)
+        _close(got, jax.grad(loss)(*args), 5e-2)
+        assert got.dtype == F32
+
+
+def test_nested_jit():
+    inner = jax.jit(lambda w, x: jnp.tanh(x @ w))
+    _check(lambda w, x: inner(w, inner(w, x)), W, X)
+
+
+def test_custom_jvp_rules_keep_working_under_grad():
+    @jax.custom_jvp
+    def half_grad_identity(x):
+        return x
+
+    @half_grad_identity.defjvp
+    def _jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return x, 0.5 * t  # a rule that differs from the true derivative
+
+    def f(w, x):
+        return half_grad_identity(jax.nn.relu(x @ w))
+
+    # jax.nn.relu, gelu's pieces and softplus are custom_jvp functions.
+    _check(lambda w, x: jax.nn.gelu(jax.nn.softplus(x @ w)), W, X)
+    got = jax.grad(lambda w: jaxamp.autocast(f)(w, X).sum())(W)
+    want = jax.grad(lambda w: f(w, X).sum())(W)
+    relu_grad = jax.grad(lambda w: jax.nn.relu(X @ w).sum())(W)
+    _close(got, want, 2e-2)
+    _close(got, 0.5 * relu_grad, 2e-2)  # the custom rule ran
+
+
+def test_custom_vjp_runs_its_rules():
+    @jax.custom_vjp
+    def scale_grad(x):
+        return x
+
+    scale_grad.defvjp(lambda x: (x, None), lambda _, g: (g * 3.0,))
+
+    def f(w, x):
+        return scale_grad(x @ w)
+
+    got = jax.grad(lambda w: jaxamp.autocast(f)(w, X).sum())(W)
+    want = jax.grad(lambda w: f(w, X).sum())(W)
+    _close(got, want, 2e-2)
+    _close(got, 3.0 * jax.grad(lambda w: (X @ w).sum())(W), 2e-2)
+
+
+def test_scan_carry_becomes_compute_dtype():
+    def rnn(w, xs):
+        def step(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, h.sum()
+
+        h, sums = jax.lax.scan(step, jnp.zeros(8), xs)
+        return h + sums.sum()
+
+    _check(rnn, W, X)
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(rnn))(W, X).jaxpr
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    # The hidden state is an activation, so it is carried in bfloat16.
+    carry = scan.outvars[0]
+    assert carry.aval.dtype == BF16
+    assert jaxamp.precision_report(jaxamp.autocast(rnn), W, X).matmuls[0].count == 4
+
+
+def test_while_loop_and_fori():
+    def f(w, x):
+        def body(i, h):
+            return jnp.tanh(h @ w) + i.astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    _check(f, W, X, grad=False)
+
+    def g(w, x):  # a data-dependent while loop
+        def cond(c):
+            return jnp.abs(c[0]).sum() < 100.0
+
+        def body(c):
+            return (c[0] @ w * 2.0 + 1.0, c[1] + 1)
+
+        return jax.lax.while_loop(cond, body, (x, jnp.int32(0)))
+
+    got_h, got_n = jaxamp.autocast(g)(W, X)
+    want_h, want_n = g(W, X)
+    assert got_n.dtype == jnp.int32 and int(got_n) == int(want_n)
+    _close(got_h, want_h, 5e-2)
+
+
+def test_cond_and_switch():
+    def f(w, x, flag):
+        return jax.lax.cond(flag, lambda x: jnp.sin(x @ w), lambda x: x * 2.0, x)
+
+    for flag in (True, False):
+        _check(lambda w, x, flag=flag: f(w, x, jnp.bool_(flag)), W, X)
+
+    def g(w, x, i):
+        branches = [lambda x: x @ w, lambda x: jnp.exp(x @ w), lambda x: x]
+        return jax.lax.switch(i, branches, x)
+
+    for i in range(3):
+        _close(jaxamp.autocast(g)(W, X, jnp.int32(i)), g(W, X, jnp.int32(i)))
+
+
+def test_checkpoint_keeps_its_policy():
+    policy = jax.checkpoint_policies.nothing_saveable
+
+    def f(w, x):
+        return jax.checkpoint(lambda x: jnp.tanh(x @ w), policy=policy)(x) @ w
+
+    _check(f, W, X)
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f))(W, X).jaxpr
+    (remat,) = [e for e in jaxpr.eqns if "remat" in e.primitive.name]
+    assert remat.params["policy"] is policy
+
+
+def test_rules_override_and_callable():
+    def f(w, x):
+        return jnp.tanh(x @ w)
+
+    # tanh in float32 by rule; matmuls unchanged by "keep" -> float32.
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f, rules={jax.lax.tanh_p: "float32"}))(W, X).jaxpr
+    assert [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "tanh"] == [F32]
+    dtypes, _ = _dot_dtypes(jaxamp.autocast(f, rules={"dot_general": "keep"}), W, X)
+    assert dtypes == {("float32", "float32")}
+
+    calls = []
+
+    def double_tanh(autocaster, eqn, x):
+        calls.append(autocaster.compute_dtype)
+        return [2.0 * autocaster.bind(eqn, x)[0]]
+
+    out = jaxamp.autocast(f, rules={"tanh": double_tanh})(W, X)
+    assert calls == [BF16]
+    _close(out, 2.0 * f(W, X))
+
+
+def test_unknown_higher_order_primitive_error_names_it_and_the_fix():
+
+    mesh = jax.make_mesh((1,), ("i",))  # shard_map is a higher-order primitive autocast lacks
+    P = jax.sharding.PartitionSpec
+
+    def f(w, x):
+        return jax.shard_map(lambda w, x: x @ w, mesh=mesh, in_specs=P(), out_specs=P())(w, x)
+
+    with pytest.raises(NotImplementedError, match=r"'shard_map'.*rules=\{'shard_map': 'keep'\}"):
+        jaxamp.autocast(f)(W, X)
+    # The suggested fix works: run it as traced.
+    _close(jaxamp.autocast(f, rules={"shard_map": "keep"})(W, X), f(W, X), 1e-6)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="fun must be callable"):
+        jaxamp.autocast(3)
+    with pytest.raises(ValueError, match="invalid policy spec"):
+        jaxamp.autocast(jnp.sin, "mixed_bf17")
+    with pytest.raises(ValueError, match=r"rules\['exp'\] must be one of"):
+        jaxamp.autocast(jnp.sin, rules={"exp": "fast"})
+    with pytest.raises(ValueError, match="'recurse' needs a built-in handler"):
+        jaxamp.autocast(jnp.sin, rules={"my_loop": "recurse"})
+    with pytest.raises(TypeError, match="rules keys must be jax primitives"):
+        jaxamp.autocast(jnp.sin, rules={3: "keep"})
+    with pytest.raises(TypeError, match="rules must be a mapping"):
+        jaxamp.autocast(jnp.sin, rules=["exp"])
+    with pytest.raises(TypeError, match=r"rules\['exp'\] must be a rule name or a callable"):
+        jaxamp.autocast(jnp.sin, rules={"exp": 1})
+    for bad in (0, -8, 2.5, True, "big"):
+        with pytest.raises(ValueError, match="pad_to must be None, 'auto'"):
+            jaxamp.autocast(jnp.sin, pad_to=bad)
