@@ -29,8 +29,13 @@ def _check(fun, *args, grad=True):
     assert dtypes == {("bfloat16", "bfloat16")}
     _close(jax.jit(ac)(*args), fun(*args))
     if grad:
-        loss = lambda *a: jnp.sum(fun(*a) ** 2)  # noqa: E731
-        ac_loss = lambda *a: jnp.sum(ac(*a) ** 2)  # noqa: E731
+
+        def loss(*a):
+            return jnp.sum(fun(*a) ** 2)
+
+        def ac_loss(*a):
+            return jnp.sum(ac(*a) ** 2)
+
         got = jax.jit(jax.grad(ac_loss))(*args)
         _close(got, jax.grad(loss)(*args), 5e-2)
         assert got.dtype == F32
