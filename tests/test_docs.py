@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import doctest
 import importlib.util
 import json
 import os
@@ -117,11 +118,31 @@ def test_primer_quotes_the_figure_data():
     assert data["skipped_steps"] == 0
 
 
-def _load_make_figures():
-    spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
+def _load_docs_module(name):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_make_figures():
+    return _load_docs_module("make_figures")
+
+
+def test_griffe_extension_rewrites_docstrings():
+    # The mkdocstrings extension that fences bare doctests and strips Sphinx roles.
+    module = _load_docs_module("griffe_markdown")
+    assert doctest.testmod(module).failed == 0
+    text = "Args:\n  x: see :data:`jaxamp.AUTOCAST_RULES`.\n\n>>> f([8])\n[8, 4, 16]\n"
+    assert module.strip_roles(module.fence_doctests(text)).splitlines() == [
+        "Args:",
+        "  x: see `jaxamp.AUTOCAST_RULES`.",
+        "",
+        "```pycon",
+        ">>> f([8])",
+        "[8, 4, 16]",
+        "```",
+    ]
 
 
 def test_figure_facts_come_from_finfo():
