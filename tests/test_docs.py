@@ -198,3 +198,7 @@ def test_site_builds_strict(tmp_path):
             expected |= {f"jaxamp.{sub}.{n}" for n in _public_names(module)}
     assert expected <= anchors, f"not rendered: {sorted(expected - anchors)}"
     assert "backoff_factor" in (tmp_path / "api" / "loss-scales" / "index.html").read_text()
+    # The rules table is generated from the code by docs/hooks.py at build time.
+    autocast_page = (tmp_path / "api" / "autocast" / "index.html").read_text()
+    missing_rules = [p for p in jaxamp.AUTOCAST_RULES if f"<code>{p}</code>" not in autocast_page]
+    assert not missing_rules, f"autocast rules not in the generated table: {missing_rules}"
