@@ -172,7 +172,11 @@ def loss_scaling(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        zero = jnp.zeros((), jnp.int32)
+        # A fresh array per field: one array shared by two fields makes
+        # jax.jit(..., donate_argnums=...) fail with "donate the same buffer twice".
+        def zero():
+            return jnp.zeros((), jnp.int32)
+
         accumulation = None
         if accumulation_steps > 1:
             if params is None:
@@ -184,8 +188,10 @@ def loss_scaling(
                 lambda p: jnp.zeros(jnp.shape(p), _wide(p).dtype) if _is_float(p) else None,
                 params,
             )
-            accumulation = AccumulationState(zero, jnp.asarray(True), grad_sum)
-        return LossScalingState(loss_scale, inner.init(params), zero, zero, accumulation)
+            accumulation = AccumulationState(zero(), jnp.asarray(True), grad_sum)
+        # Copies too, so that donating the state never deletes the user's scale.
+        scale = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
+        return LossScalingState(scale, inner.init(params), zero(), zero(), accumulation)
 
     def reduce_and_unscale(updates, scale, keep_dtype):
         # keep_dtype=False keeps 16-bit grads in float32 after unscaling, so that
