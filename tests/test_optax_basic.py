@@ -103,3 +103,16 @@ def test_bad_arguments():
     tx = jaxamp.loss_scaling(optax.sgd(0.1))
     with pytest.raises(TypeError, match="state must be the LossScalingState"):
         tx.update({"w": jnp.ones(1)}, optax.EmptyState())
+
+
+def test_state_can_be_donated_and_owns_its_arrays():
+    ls = jaxamp.DynamicLossScale(loss_scale=8.0)
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), ls, accumulation_steps=2)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    assert state.loss_scale.loss_scale is not ls.loss_scale
+    leaves = jax.tree.leaves(state)
+    assert len({id(x) for x in leaves}) == len(leaves)  # no buffer appears twice
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    _, state = step({"w": jnp.ones(2)}, state, params)
+    assert float(tx.init(params).loss_scale.loss_scale) == 8.0 == float(ls.loss_scale)
