@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp import _jaxpr_compat as compat
@@ -40,7 +41,9 @@ class MatmulInfo:
       flops: 2 * multiply-adds, times the trip count of enclosing scans.
       dims: the GEMM dims checked for alignment: ``{"M", "N", "K"}`` for a dot
         (batch dims excluded; products over free/contracting dims), ``{"C_in",
-        "C_out"}`` (channels, NVIDIA's rule for convolutions) for a conv.
+        "C_out"}`` (channels, NVIDIA's rule for convolutions) for a conv, as the
+        conv is written: for the weight-gradient conv of a backward pass these
+        are batch-like dims.
       multiple: ``jaxamp.tensor_core_multiple`` of the operand dtype.
       aligned: dim name -> whether it is a multiple of ``multiple``.
       count: how many times it runs (scan trip counts multiplied; a while loop
@@ -73,9 +76,16 @@ class MatmulInfo:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """What :func:`precision_report` found. ``str()`` gives a table."""
+    """What :func:`precision_report` found. ``str()`` gives a table.
+
+    Attributes:
+      matmuls: every matmul/conv, in trace order.
+      op_dtypes: for every other primitive with floating results: result dtype
+        name -> how many equations produce it (e.g. ``{"exp": {"float32": 2}}``).
+    """
 
     matmuls: tuple[MatmulInfo, ...]
+    op_dtypes: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def flops_by_dtype(self) -> dict[str, int]:
@@ -101,7 +111,7 @@ class PrecisionReport:
         return tuple(m for m in self.matmuls if not m.is_aligned)
 
     def __str__(self) -> str:
-        header = ("op", "lhs", "rhs", "operands", "accum", "out", "GFLOP", "dims (* = misaligned)")
+        header = ("op", "lhs", "rhs", "operands", "accum", "out", "FLOPs", "dims (* = misaligned)")
         rows = [header]
         for m in self.matmuls:
             dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
@@ -113,7 +123,7 @@ class PrecisionReport:
                     "/".join(_short(d) for d in m.operand_dtypes),
                     _short(m.accumulation_dtype),
                     _short(m.out_dtype),
-                    f"{m.flops / 1e9:.4g}",
+                    _si(m.flops),
                     dims + (f" (x{m.count})" if m.count != 1 else ""),
                 )
             )
@@ -126,11 +136,18 @@ class PrecisionReport:
             f"{_short(d)} {100.0 * f / total:.1f}%" for d, f in self.flops_by_dtype.items()
         )
         lines.append(
-            f"{len(self.matmuls)} matmul/conv ops, {total / 1e9:.4g} GFLOP"
+            f"{len(self.matmuls)} matmul/conv ops, {_si(total)} FLOPs"
             + (f" ({shares})" if total else "")
             + f"; {len(self.misaligned)} with a misaligned dim"
         )
         return "\n".join(lines)
+
+
+def _si(n: int) -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{suffix}"
+    return str(n)
 
 
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
@@ -185,16 +202,22 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
     )
 
 
-def _walk(jaxpr: jex.Jaxpr, count: int) -> Iterator[MatmulInfo]:
+def _walk(jaxpr: jex.Jaxpr, count: int, op_dtypes: dict) -> Iterator[MatmulInfo]:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "dot_general":
             yield _dot_info(eqn, count)
         elif name == "conv_general_dilated":
             yield _conv_info(eqn, count)
+        else:
+            for var in eqn.outvars:
+                dtype = getattr(var.aval, "dtype", None)
+                if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+                    per_dtype = op_dtypes.setdefault(name, {})
+                    per_dtype[np.dtype(dtype).name] = per_dtype.get(np.dtype(dtype).name, 0) + 1
         inner = count * compat.scan_parts(eqn).length if name == "scan" else count
         for sub in compat.sub_closed_jaxprs(eqn):
-            yield from _walk(sub.jaxpr, inner)
+            yield from _walk(sub.jaxpr, inner, op_dtypes)
 
 
 def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionReport:
@@ -215,7 +238,9 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
     closed = jax.make_jaxpr(fun)(*args, **kwargs)
-    return PrecisionReport(tuple(_walk(closed.jaxpr, 1)))
+    op_dtypes: dict[str, dict[str, int]] = {}
+    matmuls = tuple(_walk(closed.jaxpr, 1, op_dtypes))
+    return PrecisionReport(matmuls, op_dtypes)
 
 
 def _describe(m: MatmulInfo) -> str:
