@@ -57,11 +57,10 @@ def make_train_step(
         scale = jaxamp.get_loss_scale(optimizer.opt_state)
         skipped_before = jaxamp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]
 
-        def scaled_loss(model):
-            return scale.scale(loss_fn(model, *batch))
-
-        loss, grads = nnx.value_and_grad(scaled_loss)(model)
-        metrics = {"loss": scale.unscale(loss), "loss_scale": scale.loss_scale}
+        # The true loss, and the gradients of the scaled loss that the optimizer expects.
+        grad_fn = jaxamp.scaled_value_and_grad(loss_fn, scale, value_and_grad=nnx.value_and_grad)
+        loss, grads = grad_fn(model, *batch)
+        metrics = {"loss": loss, "loss_scale": scale.loss_scale}
         if with_zero_fraction:
             metrics["zero_fraction"] = zero_fraction(grads)
         optimizer.update(model, grads)
@@ -108,6 +107,20 @@ def residual_bytes(loss_fn: LossFn, model: nnx.Module, *batch: Any) -> int:
 
     shapes = jax.eval_shape(residual_leaves, params, rest, *batch)
     return int(sum(s.size * np.dtype(s.dtype).itemsize for s in shapes))
+
+
+def matmul_report(loss_fn: LossFn, model: nnx.Module, *batch: Any) -> Any:
+    """``jaxamp.precision_report`` of the gradient computation (forward and backward).
+
+    Says in which dtype each matmul/convolution of a train step runs and which
+    have a dimension that misses the Tensor Core multiple. Traced, not run.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def grads(params, rest, *batch):
+        return jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), *batch))(params)
+
+    return jaxamp.precision_report(grads, params, rest, *batch)
 
 
 class Timer:

@@ -60,6 +60,7 @@ SETUPS: dict[str, tuple[str, bool]] = {
 # torch's GradScaler grows the scale every 2000 finite steps; these runs are only
 # ~1000 steps long, so the scale may grow every 200 to show the whole trajectory.
 GROWTH_INTERVAL = 200
+LEARNING_RATE = 3e-3  # Adam's
 
 
 class CNN(nnx.Module):
@@ -119,7 +120,7 @@ def train(
     steps: int,
     batch_size: int,
     seed: int,
-    learning_rate: float = 1e-3,
+    learning_rate: float = LEARNING_RATE,
     loss_weight: float = 1.0,
     loss_scale: Any = None,
     show_progress: bool = True,
@@ -260,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for digits.md/.png")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's learning rate")
+    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="Adam's")
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

@@ -1,0 +1,168 @@
+"""float16 gradients underflow to zero without loss scaling; dynamic loss scaling recovers.
+
+The digits CNN of ``digits.py`` is trained with its loss multiplied by a small
+weight (default ``2**-20``, about 1e-6). Such weights are common: a loss summed
+over a micro-batch and divided by the token count of a large global batch, or an
+auxiliary loss with a small coefficient. Adam is invariant to the scale of the
+gradients, so in float32 the weight changes nothing. In float16 the gradients of
+the logits, about ``1e-6 * 0.5 / batch``, are below float16's smallest subnormal
+(6e-8) and round to zero: every weight gradient is zero and training stalls.
+Multiplying the loss by a scale of 2**15 or more before the backward pass (and
+dividing the gradients by it after, in float32) brings them back into float16's
+range; ``DynamicLossScale`` finds such a scale by itself. bfloat16 has float32's
+exponent range and does not underflow.
+
+The script prints, for each setup, the fraction of gradient entries that are
+exactly zero (of the gradients the backward pass produced, i.e. of the scaled
+loss where there is a scale), test accuracy and final loss, and writes
+``underflow.md`` and ``underflow.png`` to ``--out``.
+
+Run: ``python examples/underflow.py`` (``--fast`` is the few-step test mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # the examples folder is not a package: import by path
+import digits
+
+SETUPS = ["float32", "mixed_bfloat16", "mixed_float16_no_scaling", "mixed_float16"]
+DEFAULT_LOSS_WEIGHT = 2.0**-20
+
+COLUMNS = [
+    ("setup", "setup"),
+    ("zero_first", "zero grads, step 1"),
+    ("zero_mean", "zero grads, mean"),
+    ("accuracy", "test acc"),
+    ("test_loss", "test loss"),
+    ("skipped", "skipped"),
+    ("loss_scale", "final scale"),
+]
+
+
+def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [
+        {
+            "setup": r["setup"],
+            "zero_first": f"{100 * r['history']['zero_fraction'][0]:.1f}%",
+            "zero_mean": f"{100 * r['zero_fraction']:.1f}%",
+            "accuracy": f"{r['accuracy']:.4f}",
+            "test_loss": f"{r['test_loss']:.4f}",
+            "skipped": str(r["skipped"]),
+            "loss_scale": f"{r['loss_scale']:g}",
+        }
+        for r in rows
+    ]
+
+
+def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) -> None:
+    """Loss, zero-gradient fraction and loss scale over the steps."""
+    plt = _common.use_agg_backend()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, hist in histories.items():
+        steps = np.arange(1, len(hist["loss"]) + 1)
+        axes[0].plot(steps, _common.smooth(hist["loss"], 20), label=name)
+        axes[1].plot(steps, 100 * hist["zero_fraction"], label=name)
+        axes[2].plot(steps, hist["loss_scale"], label=name)
+    axes[0].set(xlabel="step", ylabel="train loss / weight (moving average of 20)")
+    axes[0].set_title("loss")
+    axes[1].set(xlabel="step", ylabel="% of gradient entries exactly 0", ylim=(-2, 102))
+    axes[1].set_title("underflow")
+    axes[2].set(xlabel="step", ylabel="loss scale used")
+    axes[2].set_yscale("log", base=2)
+    axes[2].set_title("loss scale (1 = no scaling)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="train steps (500; --fast: 40)")
+    parser.add_argument("--batch-size", type=int, default=None, help="batch size (128; --fast: 32)")
+    parser.add_argument(
+        "--policies", default=",".join(SETUPS), help=f"comma-separated, from: {', '.join(SETUPS)}"
+    )
+    parser.add_argument(
+        "--loss-weight", type=float, default=DEFAULT_LOSS_WEIGHT, help="multiplies the loss"
+    )
+    parser.add_argument("--learning-rate", type=float, default=digits.LEARNING_RATE)
+    parser.add_argument("--out", type=Path, default=digits.RESULTS, help="output folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (40 if args.fast else 500)
+    args.batch_size = args.batch_size or (32 if args.fast else 128)
+    args.setups = [s.strip() for s in args.policies.split(",") if s.strip()]
+    unknown = [s for s in args.setups if s not in SETUPS]
+    if unknown or not args.setups:
+        valid = ", ".join(SETUPS)
+        parser.error(f"--policies: unknown {unknown or args.policies!r}; valid: {valid}")
+    if not args.loss_weight > 0:
+        parser.error(f"--loss-weight must be > 0; got {args.loss_weight}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Runs the demo; returns one dict per setup (with its ``history``)."""
+    args = parse_args(argv)
+    data = digits.load_data()
+    print(
+        f"underflow: digits CNN, loss x {args.loss_weight:g}, Adam, {args.steps} steps of "
+        f"batch {args.batch_size}"
+    )
+    rows, histories = [], {}
+    for setup in args.setups:
+        row, hist = digits.train(
+            setup,
+            data,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            learning_rate=args.learning_rate,
+            loss_weight=args.loss_weight,
+            show_progress=not args.no_progress,
+        )
+        rows.append({**row, "history": hist})
+        histories[setup] = hist
+    table = _common.markdown_table(display_rows(rows), COLUMNS)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    given = sys.argv[1:] if argv is None else argv
+    notes = (
+        "`zero grads`: share of all gradient entries (every parameter) that are exactly "
+        "0.0, as the backward pass produced them (gradients of the scaled loss where a "
+        "loss scale is used), at the first step and averaged over all steps. float32 "
+        "has a few zeros of its own (ReLUs that are off for a whole batch). "
+        f"Dynamic loss scaling: `DynamicLossScale(growth_interval={digits.GROWTH_INTERVAL})`."
+    )
+    _common.write_markdown(
+        args.out / "underflow.md",
+        f"underflow: float16 without and with loss scaling (loss x {args.loss_weight:g})",
+        " ".join(["python examples/underflow.py", *given]),
+        table,
+        notes,
+    )
+    plot(
+        histories,
+        args.out / "underflow.png",
+        f"digits CNN with loss x {args.loss_weight:g}: {args.steps} steps, batch {args.batch_size}",
+    )
+    print(f"wrote {args.out / 'underflow.md'} and {args.out / 'underflow.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The examples' fast modes, end to end: they run, write their outputs, and the numbers agree.
+
+Each example runs once per module (a fixture) and the tests read its results.
+optax's adam/adamw do not run under the suite's strict dtype promotion (inside
+optax itself), so the example runs are wrapped in standard promotion.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+# The examples folder is not a package: import the scripts by path.
+charlm = importlib.import_module("charlm")
+digits = importlib.import_module("digits")
+underflow = importlib.import_module("underflow")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(main, argv):
+    with jax.numpy_dtype_promotion("standard"):
+        return {row["setup"]: row for row in main(argv)}
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("digits")
+    setups = "float32,mixed_bfloat16,mixed_float16"
+    rows = run(digits.main, ["--fast", "--no-progress", "--out", str(out), "--policies", setups])
+    return rows, out
+
+
+@pytest.fixture(scope="module")
+def underflow_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("underflow")
+    setups = "mixed_float16_no_scaling,mixed_float16"
+    rows = run(underflow.main, ["--fast", "--no-progress", "--out", str(out), "--policies", setups])
+    return rows, out
+
+
+def run_charlm(out: Path, setups: str):
+    argv = ["--fast", "--no-progress", "--out", str(out), "--sample-chars", "8"]
+    return run(charlm.main, [*argv, "--policies", setups]), out
+
+
+@pytest.fixture(scope="module")
+def charlm_run(tmp_path_factory):
+    # The layer-dtype bfloat16 variant runs in the slow test below (XLA's CPU compile
+    # of a transformer train step takes seconds); digits covers layer dtypes by default.
+    return run_charlm(tmp_path_factory.mktemp("charlm"), "float32,autocast_bfloat16")
+
+
+def assert_outputs(out: Path, name: str, setups) -> None:
+    table = (out / f"{name}.md").read_text()
+    assert table.startswith("# ")
+    assert f"Command: `python examples/{name}.py --fast" in table
+    for setup in setups:
+        assert f"| {setup} |" in table
+    png = (out / f"{name}.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+# -- digits -----------------------------------------------------------------------
+
+
+def test_digits_writes_table_and_plot(digits_run):
+    rows, out = digits_run
+    assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16"]
+    assert_outputs(out, "digits", rows)
+
+
+def test_digits_mixed_runs_agree_with_float32(digits_run):
+    rows, _ = digits_run
+    reference = rows["float32"]
+    ref_loss = reference["history"]["loss"]
+    assert ref_loss[-10:].mean() < ref_loss[:10].mean() - 0.2  # it learns
+    assert reference["accuracy"] > 0.4  # 10 classes: chance is 0.1
+    for setup in ("mixed_bfloat16", "mixed_float16"):
+        row = rows[setup]
+        loss = row["history"]["loss"]
+        assert loss.shape == ref_loss.shape
+        # Same weights, same batches: the curves differ only by rounding.
+        np.testing.assert_allclose(loss, ref_loss, atol=0.05)
+        assert abs(row["test_loss"] - reference["test_loss"]) < 0.03
+        assert abs(row["accuracy"] - reference["accuracy"]) < 0.05
+
+
+def test_digits_loss_scaling_state(digits_run):
+    rows, _ = digits_run
+    assert rows["mixed_float16"]["skipped"] == 0
+    # 60 steps < growth interval: the dynamic scale stays at its initial 2**15.
+    np.testing.assert_array_equal(rows["mixed_float16"]["history"]["loss_scale"], 2.0**15)
+    for setup in ("float32", "mixed_bfloat16"):
+        np.testing.assert_array_equal(rows[setup]["history"]["loss_scale"], 1.0)
+        assert rows[setup]["skipped"] == 0
+
+
+def test_digits_16_bit_compute_halves_activation_memory(digits_run):
+    rows, _ = digits_run
+    f32 = rows["float32"]["residual_bytes"]
+    for setup in ("mixed_bfloat16", "mixed_float16"):
+        assert rows[setup]["residual_bytes"] < 0.65 * f32
+    for row in rows.values():
+        assert row["temp_bytes"] is None or row["temp_bytes"] > 0
+        assert row["step_ms"] > 0
+
+
+def test_digits_rejects_unknown_setup():
+    with pytest.raises(SystemExit):
+        digits.parse_args(["--policies", "float32,float8"])
+    with pytest.raises(ValueError, match="unknown setup 'float8'"):
+        digits.train("float8", {}, steps=1, batch_size=1, seed=0)
+
+
+# -- underflow --------------------------------------------------------------------
+
+
+def test_underflow_float16_without_scaling_gets_only_zero_gradients(underflow_run):
+    rows, out = underflow_run
+    assert_outputs(out, "underflow", rows)
+    stalled = rows["mixed_float16_no_scaling"]
+    # Every gradient entry underflowed at every step: Adam never moved the weights.
+    np.testing.assert_array_equal(stalled["history"]["zero_fraction"], 1.0)
+    assert stalled["skipped"] == 0  # nothing overflowed: the failure is silent
+    assert stalled["test_loss"] == pytest.approx(math.log(10), abs=0.05)
+
+
+def test_underflow_dynamic_loss_scaling_recovers(underflow_run):
+    rows, _ = underflow_run
+    rescued, stalled = rows["mixed_float16"], rows["mixed_float16_no_scaling"]
+    assert rescued["history"]["zero_fraction"].max() < 0.5
+    assert rescued["loss_scale"] >= 2.0**15
+    assert rescued["test_loss"] < stalled["test_loss"] - 0.1
+    assert rescued["accuracy"] > stalled["accuracy"] + 0.1
+
+
+# -- charlm -----------------------------------------------------------------------
+
+
+def test_charlm_writes_table_plot_and_samples(charlm_run):
+    rows, out = charlm_run
+    assert list(rows) == ["float32", "autocast_bfloat16"]
+    assert_outputs(out, "charlm", rows)
+    for row in rows.values():
+        sample = row["sample"]
+        assert sample.startswith("def ") and len(sample) == len("def ") + 8
+        assert set(sample) <= set(charlm.VOCAB)
+
+
+def assert_bfloat16_agrees(rows, setup):
+    reference, row = rows["float32"], rows[setup]
+    first = reference["history"]["loss"][0] / math.log(2)
+    assert first == pytest.approx(math.log2(96), abs=0.6)  # untrained: about uniform
+    assert reference["valid_bits"] < first - 0.8  # it learns
+    # Same weights, same batches: the curves differ only by rounding.
+    np.testing.assert_allclose(row["history"]["loss"], reference["history"]["loss"], atol=0.05)
+    assert abs(row["valid_bits"] - reference["valid_bits"]) < 0.05
+    assert row["residual_bytes"] < reference["residual_bytes"]
+    # Every matmul of the float32 run is float32; the bfloat16 run's are (nearly) all
+    # bfloat16, and the aligned sizes leave none misaligned.
+    assert reference["bf16_share"] == 0.0
+    assert row["bf16_share"] > 0.95
+    assert row["misaligned"] == 0 and reference["misaligned"] == 0
+
+
+def test_charlm_autocast_agrees_with_float32(charlm_run):
+    rows, _ = charlm_run
+    assert_bfloat16_agrees(rows, "autocast_bfloat16")
+
+
+@pytest.mark.slow
+def test_charlm_layer_dtypes_agree_with_float32(tmp_path):
+    rows, out = run_charlm(tmp_path, "float32,mixed_bfloat16")
+    assert_outputs(out, "charlm", rows)
+    assert_bfloat16_agrees(rows, "mixed_bfloat16")
+
+
+def test_charlm_text_and_alignment():
+    text = charlm.load_text(max_chars=5_000)
+    assert set(text) <= set(charlm.VOCAB) and len(text) == 5_000
+    assert charlm.decode(charlm.encode(text)) == text
+    args = charlm.parse_args(["--fast", "--width", "40"])
+    dims = charlm.sizes(args)
+    assert dims["padded_vocab"] == 128 and dims["vocab"] == 96
+    assert dims["width"] == 64 and dims["mlp"] == 256
