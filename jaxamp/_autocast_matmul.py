@@ -92,8 +92,11 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
         x, w = residuals
 
         def pullback(x, w, ct):
-            _, vjp = jax.vjp(lambda a, b: prim.bind(a, b, **low_params), x, w)
-            return vjp(ct)
+            # Transposes of the two linear maps (not jax.vjp: that would re-run the
+            # forward product, dead code that precision_report would count).
+            (dx,) = jax.linear_transpose(lambda a: prim.bind(a, w, **low_params), x)(ct)
+            (dw,) = jax.linear_transpose(lambda b: prim.bind(x, b, **low_params), w)(ct)
+            return dx, dw
 
         closed = jax.make_jaxpr(pullback)(x, w, ct)
         return tuple(_eval_accumulating(closed, [x, w, ct], dtype))
