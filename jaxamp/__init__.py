@@ -19,10 +19,10 @@ from jaxamp._optax import (
     get_loss_scale,
     loss_scaling,
     loss_scaling_metrics,
-    scaled_value_and_grad,
 )
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
+from jaxamp._scaled_grad import scaled_value_and_grad
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:

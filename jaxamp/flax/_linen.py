@@ -13,8 +13,9 @@ from flax import linen as nn
 from flax.training import train_state
 
 from jaxamp._casting import cast_floating
-from jaxamp._optax import _find_states, get_loss_scale, loss_scaling, scaled_value_and_grad
+from jaxamp._optax import _find_states, get_loss_scale, loss_scaling
 from jaxamp._policy import get_policy
+from jaxamp._scaled_grad import scaled_value_and_grad
 from jaxamp.flax._overrides import normalize_overrides, policy_for
 
 __all__ = ["LossScaledTrainState", "linen_policy"]
