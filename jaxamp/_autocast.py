@@ -27,34 +27,16 @@ import numpy as np
 
 from jaxamp import _jaxpr_compat as compat
 from jaxamp._alignment import tensor_core_multiple
+from jaxamp._autocast_control_flow import HANDLERS
 from jaxamp._autocast_matmul import padded, run_matmul
 from jaxamp._autocast_rules import AUTOCAST_RULES, RULE_KINDS
+from jaxamp._autocast_values import ACTIVATION, PINNED, PLAIN, cast, is_float, promote
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["Autocaster", "autocast"]
 
-PLAIN, ACTIVATION, PINNED = 0, 1, 2
 _F32 = np.dtype(np.float32)
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-
-
-def _is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
-def _cast(x: Any, dtype: np.dtype) -> Any:
-    if x.dtype == dtype:
-        return x
-    if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x).astype(dtype)  # literals stay literals
-    return jax.lax.convert_element_type(x, dtype)
-
-
-def _promote(dtypes: Sequence[Any]) -> np.dtype:
-    # Our own choice, independent of jax_numpy_dtype_promotion (which may be strict).
-    with jax.numpy_dtype_promotion("standard"):
-        return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
 class Autocaster:
@@ -110,7 +92,7 @@ class Autocaster:
         if rule == "follow" and name == "convert_element_type":
             return self._convert(eqn, ins)
         if rule == "recurse":
-            return _HANDLERS[name](self, eqn, ins)
+            return HANDLERS[name](self, eqn, ins)
         return getattr(self, "_" + rule)(eqn, ins)
 
     # -- first-order rules ----------------------------------------------------------
@@ -119,7 +101,7 @@ class Autocaster:
         # Operands traced with the same dtype must again share one dtype.
         groups: dict[np.dtype, list[int]] = {}
         for i, (atom, (value, _)) in enumerate(zip(eqn.invars, ins, strict=True)):
-            if _is_float(value):
+            if is_float(value):
                 groups.setdefault(np.dtype(atom.aval.dtype), []).append(i)
         return groups
 
@@ -129,28 +111,28 @@ class Autocaster:
             pinned = [ins[i][0].dtype for i in idxs if ins[i][1] == PINNED]
             active = [ins[i][0].dtype for i in idxs if ins[i][1] == ACTIVATION]
             if pinned or active:
-                target = _promote(pinned + active)
+                target = promote(pinned + active)
                 for i in idxs:
-                    values[i] = _cast(values[i], target)
-        role = max((r for v, r in ins if _is_float(v)), default=PLAIN)
-        return [(o, role if _is_float(o) else PLAIN) for o in compat.bind_eqn(eqn, values)]
+                    values[i] = cast(values[i], target)
+        role = max((r for v, r in ins if is_float(v)), default=PLAIN)
+        return [(o, role if is_float(o) else PLAIN) for o in compat.bind_eqn(eqn, values)]
 
     def _float32(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         values = [v for v, _ in ins]
         for idxs in self._groups(eqn, ins).values():
-            target = _promote([_F32] + [ins[i][0].dtype for i in idxs])
+            target = promote([_F32] + [ins[i][0].dtype for i in idxs])
             for i in idxs:
-                values[i] = _cast(values[i], target)
-        touched = any(r != PLAIN for v, r in ins if _is_float(v))
+                values[i] = cast(values[i], target)
+        touched = any(r != PLAIN for v, r in ins if is_float(v))
         outs = compat.bind_eqn(eqn, values)
         return [
-            (o, PINNED if _is_float(o) and (touched or o.dtype != var.aval.dtype) else PLAIN)
+            (o, PINNED if is_float(o) and (touched or o.dtype != var.aval.dtype) else PLAIN)
             for o, var in zip(outs, eqn.outvars, strict=True)
         ]
 
     def _keep(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         values = [
-            _cast(v, np.dtype(atom.aval.dtype)) if _is_float(v) else v
+            cast(v, np.dtype(atom.aval.dtype)) if is_float(v) else v
             for atom, (v, _) in zip(eqn.invars, ins, strict=True)
         ]
         return [(o, PLAIN) for o in compat.bind_eqn(eqn, values)]
@@ -158,16 +140,16 @@ class Autocaster:
     def _convert(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         ((value, role),) = ins
         (out,) = compat.bind_eqn(eqn, [value])
-        if not _is_float(out) or not _is_float(value) or role == PLAIN:
+        if not is_float(out) or not is_float(value) or role == PLAIN:
             return [(out, PLAIN)]
         # An explicit cast of an autocast value: respected, and it decides the role.
         return [(out, ACTIVATION if out.dtype == self.compute_dtype else PINNED)]
 
     def _compute(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         (lhs, _), (rhs, _) = ins[0], ins[1]
-        if len(ins) != 2 or not (_is_float(lhs) and _is_float(rhs)):
+        if len(ins) != 2 or not (is_float(lhs) and is_float(rhs)):
             return self._follow(eqn, ins)
-        lhs, rhs = _cast(lhs, self.compute_dtype), _cast(rhs, self.compute_dtype)
+        lhs, rhs = cast(lhs, self.compute_dtype), cast(rhs, self.compute_dtype)
         multiple = self.pad_to
         if multiple is not None:
             lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, multiple)
@@ -180,10 +162,10 @@ class Autocaster:
 
     def _custom(self, rule: Callable, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         outs = list(rule(self, eqn, *[v for v, _ in ins]))
-        in_role = max((r for v, r in ins if _is_float(v)), default=PLAIN)
+        in_role = max((r for v, r in ins if is_float(v)), default=PLAIN)
         roles = []
         for out, var in zip(outs, eqn.outvars, strict=True):
-            if not _is_float(out):
+            if not is_float(out):
                 roles.append(PLAIN)
             elif out.dtype == var.aval.dtype:
                 roles.append(in_role)
@@ -215,10 +197,6 @@ class Autocaster:
         return [(np.dtype(s.dtype), r) for s, r in zip(shapes, box, strict=True)]
 
 
-def _aval(value: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(value), dtype or value.dtype)
-
-
 def _unknown_higher_order_message(name: str) -> str:
     return (
         f"jaxamp.autocast has no rule for the higher-order primitive {name!r}: it holds "
@@ -227,180 +205,6 @@ def _unknown_higher_order_message(name: str) -> str:
         "exactly as traced (its inputs are cast back to their traced dtypes), or pass a "
         "callable rule(autocaster, eqn, *args) -> list of outputs."
     )
-
-
-# -- higher-order handlers ----------------------------------------------------------
-
-
-def _split(ins: Sequence[tuple]) -> tuple[list, list]:
-    return [v for v, _ in ins], [r for _, r in ins]
-
-
-def _handle_jit(ac: Autocaster, eqn, ins):
-    parts = compat.jit_parts(eqn)
-    values, roles = _split(ins)
-    box: list = []
-    fun = ac.function_of(parts.jaxpr, (), roles, box)
-    fun.__name__ = fun.__qualname__ = parts.name
-    outs = jax.jit(fun, inline=parts.inline)(*values)
-    return list(zip(outs, box, strict=True))
-
-
-def _handle_call(ac: Autocaster, eqn, ins):
-    return ac.eval_jaxpr(compat.call_jaxpr(eqn), ins)
-
-
-def _handle_remat(ac: Autocaster, eqn, ins):
-    parts = compat.remat_parts(eqn)
-    values, roles = _split(ins)
-    box: list = []
-    fun = ac.function_of(parts.jaxpr, (), roles, box)
-    outs = jax.checkpoint(fun, prevent_cse=parts.prevent_cse, policy=parts.policy)(*values)
-    return list(zip(outs, box, strict=True))
-
-
-def _handle_custom_jvp(ac: Autocaster, eqn, ins):
-    parts = compat.custom_jvp_parts(eqn)
-    consts, args = list(ins[: parts.num_consts]), list(ins[parts.num_consts :])
-    values, roles = _split(args)
-    box: list = []
-    primal = ac.function_of(parts.call_jaxpr, consts, roles, box)
-    out_types = ac.probe(parts.call_jaxpr, consts, [(_aval(v), r) for v, r in args])
-
-    def jvp(primals, tangents):
-        zeros = [compat.is_float0(t) for t in tangents]
-        closed, out_zeros = parts.jvp_jaxpr(zeros)
-        nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
-        outs = ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
-        primal_outs = [v for v, _ in outs[: len(out_zeros)]]
-        nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])
-        p_out, t_out = [], []
-        for p, zero, (dtype, _) in zip(primal_outs, out_zeros, out_types, strict=True):
-            p = _cast(p, dtype) if _is_float(p) else p
-            p_out.append(p)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                t_out.append(compat.float0_zeros(np.shape(p)))
-            elif zero:
-                t_out.append(jnp.zeros(np.shape(p), dtype))
-            else:
-                t_out.append(_cast(next(nonzero_out), dtype))
-        return p_out, t_out
-
-    fun = jax.custom_jvp(primal)
-    fun.defjvp(jvp)
-    outs = fun(*values)
-    return list(zip(outs, [r for _, r in out_types], strict=True))
-
-
-def _join(carry: tuple, out: tuple) -> tuple:
-    # Loop-carried (dtype, role): a body that moves a value to another dtype on
-    # purpose (a role above PLAIN) decides; otherwise the traced dtype stays.
-    (in_dtype, in_role), (out_dtype, out_role) = carry, out
-    if out_role == PLAIN:
-        return carry
-    dtype = out_dtype if in_role == PLAIN else _promote([in_dtype, out_dtype])
-    return np.dtype(dtype), max(in_role, out_role)
-
-
-def _fixpoint(ac, closed, prefix, init, extra_types, n_carry) -> list[tuple]:
-    types = [(np.dtype(v.dtype) if _is_float(v) else None, r) for v, r in init]
-    for _ in range(4):
-        avals = [
-            (_aval(v, dt), r) for (v, _), (dt, r) in zip(init, types, strict=True)
-        ] + extra_types
-        outs = ac.probe(closed, prefix, avals)[:n_carry]
-        new = [_join(t, o) if t[0] is not None else t for t, o in zip(types, outs, strict=True)]
-        if new == types:
-            break
-        types = new
-    return types
-
-
-def _cast_to_types(values, types):
-    return [v if dt is None else _cast(v, dt) for v, (dt, _) in zip(values, types, strict=True)]
-
-
-def _handle_scan(ac: Autocaster, eqn, ins):
-    p = compat.scan_parts(eqn)
-    consts = list(ins[: p.num_consts])
-    init = list(ins[p.num_consts : p.num_consts + p.num_carry])
-    xs = list(ins[p.num_consts + p.num_carry :])
-    x_types = [(jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), r) for v, r in xs]
-    types = _fixpoint(ac, p.jaxpr, consts, init, x_types, p.num_carry)
-    carry_roles = [r for _, r in types]
-    x_roles = [r for _, r in xs]
-    box: list = []
-
-    def body(carry, x):
-        args = [*zip(carry, carry_roles, strict=True), *zip(x, x_roles, strict=True)]
-        outs = ac.eval_jaxpr(p.jaxpr, [*consts, *args])
-        box[:] = [r for _, r in outs[p.num_carry :]]
-        new_carry = _cast_to_types([v for v, _ in outs[: p.num_carry]], types)
-        return new_carry, [v for v, _ in outs[p.num_carry :]]
-
-    init_values = _cast_to_types([v for v, _ in init], types)
-    carry, ys = jax.lax.scan(
-        body,
-        init_values,
-        [v for v, _ in xs],
-        length=p.length,
-        reverse=p.reverse,
-        unroll=p.unroll,
-    )
-    return [*zip(carry, carry_roles, strict=True), *zip(ys, box, strict=True)]
-
-
-def _handle_while(ac: Autocaster, eqn, ins):
-    p = compat.while_parts(eqn)
-    cond_consts = list(ins[: p.cond_nconsts])
-    body_consts = list(ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts])
-    init = list(ins[p.cond_nconsts + p.body_nconsts :])
-    types = _fixpoint(ac, p.body_jaxpr, body_consts, init, [], len(init))
-    roles = [r for _, r in types]
-
-    def cond_fun(carry):
-        outs = ac.eval_jaxpr(p.cond_jaxpr, [*cond_consts, *zip(carry, roles, strict=True)])
-        return outs[0][0]
-
-    def body_fun(carry):
-        outs = ac.eval_jaxpr(p.body_jaxpr, [*body_consts, *zip(carry, roles, strict=True)])
-        return _cast_to_types([v for v, _ in outs], types)
-
-    out = jax.lax.while_loop(cond_fun, body_fun, _cast_to_types([v for v, _ in init], types))
-    return list(zip(out, roles, strict=True))
-
-
-def _handle_cond(ac: Autocaster, eqn, ins):
-    branches = compat.cond_parts(eqn)
-    (index, _), operands = ins[0], list(ins[1:])
-    types_in = [(_aval(v), r) for v, r in operands]
-    per_branch = [ac.probe(b, (), types_in) for b in branches]
-    out_types = []
-    for outs in zip(*per_branch, strict=True):
-        dtypes = {dt for dt, _ in outs}
-        out_types.append((_promote(sorted(dtypes, key=str)), max(r for _, r in outs)))
-    values, roles = _split(operands)
-
-    def make(branch):
-        def fun(*args):
-            outs = ac.eval_jaxpr(branch, list(zip(args, roles, strict=True)))
-            return _cast_to_types([v for v, _ in outs], out_types)
-
-        return fun
-
-    outs = jax.lax.switch(index, [make(b) for b in branches], *values)
-    return list(zip(outs, [r for _, r in out_types], strict=True))
-
-
-_HANDLERS = {
-    **dict.fromkeys(compat.JIT_NAMES, _handle_jit),
-    **dict.fromkeys(compat.CALL_NAMES, _handle_call),
-    **dict.fromkeys(compat.REMAT_NAMES, _handle_remat),
-    "custom_jvp_call": _handle_custom_jvp,
-    "scan": _handle_scan,
-    "while": _handle_while,
-    "cond": _handle_cond,
-}
 
 
 # -- the public transform -----------------------------------------------------------
@@ -431,10 +235,10 @@ def _merge_rules(rules: Mapping | None) -> dict[str, Any]:
                     f"rules[{name!r}] must be one of {', '.join(map(repr, RULE_KINDS))} "
                     f"or a callable; got {rule!r}."
                 )
-            if rule == "recurse" and name not in _HANDLERS:
+            if rule == "recurse" and name not in HANDLERS:
                 raise ValueError(
                     f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
-                    f"only for {', '.join(sorted(_HANDLERS))}; use 'keep' or a callable."
+                    f"only for {', '.join(sorted(HANDLERS))}; use 'keep' or a callable."
                 )
         elif not callable(rule):
             raise TypeError(
@@ -535,8 +339,8 @@ def autocast(
         outs = autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dynamic])
         output_dtype = np.dtype(policy.output_dtype)
         flat = [
-            _cast(v, output_dtype)
-            if _is_float(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
+            cast(v, output_dtype)
+            if is_float(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
             else v
             for (v, _), var in zip(outs, closed.jaxpr.outvars, strict=True)
         ]

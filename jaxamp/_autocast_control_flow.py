@@ -1,0 +1,193 @@
+"""autocast's handlers for higher-order primitives: jit, custom_jvp, scan, while, cond, remat.
+
+Each rebuilds the primitive with JAX's public API (``jax.jit``, ``jax.custom_jvp``,
+``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``) around a
+function that evaluates the inner jaxpr with autocast, so the structure (and a
+custom_jvp's rule, a checkpoint's policy) is kept. Loop carries and cond outputs
+need one dtype for every iteration or branch: it is found by tracing the body
+abstractly (``jax.eval_shape``) until the carried dtypes stop changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp import _jaxpr_compat as compat
+from jaxamp._autocast_values import PLAIN, aval, cast, is_float, promote
+
+__all__ = ["HANDLERS"]
+
+
+def _split(ins: Sequence[tuple]) -> tuple[list, list]:
+    return [v for v, _ in ins], [r for _, r in ins]
+
+
+def _handle_jit(ac, eqn, ins):
+    parts = compat.jit_parts(eqn)
+    values, roles = _split(ins)
+    box: list = []
+    fun = ac.function_of(parts.jaxpr, (), roles, box)
+    fun.__name__ = fun.__qualname__ = parts.name
+    outs = jax.jit(fun, inline=parts.inline)(*values)
+    return list(zip(outs, box, strict=True))
+
+
+def _handle_call(ac, eqn, ins):
+    return ac.eval_jaxpr(compat.call_jaxpr(eqn), ins)
+
+
+def _handle_remat(ac, eqn, ins):
+    parts = compat.remat_parts(eqn)
+    values, roles = _split(ins)
+    box: list = []
+    fun = ac.function_of(parts.jaxpr, (), roles, box)
+    outs = jax.checkpoint(fun, prevent_cse=parts.prevent_cse, policy=parts.policy)(*values)
+    return list(zip(outs, box, strict=True))
+
+
+def _handle_custom_jvp(ac, eqn, ins):
+    parts = compat.custom_jvp_parts(eqn)
+    consts, args = list(ins[: parts.num_consts]), list(ins[parts.num_consts :])
+    values, roles = _split(args)
+    box: list = []
+    primal = ac.function_of(parts.call_jaxpr, consts, roles, box)
+    out_types = ac.probe(parts.call_jaxpr, consts, [(aval(v), r) for v, r in args])
+
+    def jvp(primals, tangents):
+        zeros = [compat.is_float0(t) for t in tangents]
+        closed, out_zeros = parts.jvp_jaxpr(zeros)
+        nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
+        outs = ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
+        primal_outs = [v for v, _ in outs[: len(out_zeros)]]
+        nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])
+        p_out, t_out = [], []
+        for p, zero, (dtype, _) in zip(primal_outs, out_zeros, out_types, strict=True):
+            p = cast(p, dtype) if is_float(p) else p
+            p_out.append(p)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                t_out.append(compat.float0_zeros(np.shape(p)))
+            elif zero:
+                t_out.append(jnp.zeros(np.shape(p), dtype))
+            else:
+                t_out.append(cast(next(nonzero_out), dtype))
+        return p_out, t_out
+
+    fun = jax.custom_jvp(primal)
+    fun.defjvp(jvp)
+    outs = fun(*values)
+    return list(zip(outs, [r for _, r in out_types], strict=True))
+
+
+def _join(carry: tuple, out: tuple) -> tuple:
+    # Loop-carried (dtype, role): a body that moves a value to another dtype on
+    # purpose (a role above PLAIN) decides; otherwise the traced dtype stays.
+    (in_dtype, in_role), (out_dtype, out_role) = carry, out
+    if out_role == PLAIN:
+        return carry
+    dtype = out_dtype if in_role == PLAIN else promote([in_dtype, out_dtype])
+    return np.dtype(dtype), max(in_role, out_role)
+
+
+def _fixpoint(ac, closed, prefix, init, extra_types, n_carry) -> list[tuple]:
+    types = [(np.dtype(v.dtype) if is_float(v) else None, r) for v, r in init]
+    for _ in range(4):
+        avals = [
+            (aval(v, dt), r) for (v, _), (dt, r) in zip(init, types, strict=True)
+        ] + extra_types
+        outs = ac.probe(closed, prefix, avals)[:n_carry]
+        new = [_join(t, o) if t[0] is not None else t for t, o in zip(types, outs, strict=True)]
+        if new == types:
+            break
+        types = new
+    return types
+
+
+def _cast_to_types(values, types):
+    return [v if dt is None else cast(v, dt) for v, (dt, _) in zip(values, types, strict=True)]
+
+
+def _handle_scan(ac, eqn, ins):
+    p = compat.scan_parts(eqn)
+    consts = list(ins[: p.num_consts])
+    init = list(ins[p.num_consts : p.num_consts + p.num_carry])
+    xs = list(ins[p.num_consts + p.num_carry :])
+    x_types = [(jax.ShapeDtypeStruct(np.shape(v)[1:], v.dtype), r) for v, r in xs]
+    types = _fixpoint(ac, p.jaxpr, consts, init, x_types, p.num_carry)
+    carry_roles = [r for _, r in types]
+    x_roles = [r for _, r in xs]
+    box: list = []
+
+    def body(carry, x):
+        args = [*zip(carry, carry_roles, strict=True), *zip(x, x_roles, strict=True)]
+        outs = ac.eval_jaxpr(p.jaxpr, [*consts, *args])
+        box[:] = [r for _, r in outs[p.num_carry :]]
+        new_carry = _cast_to_types([v for v, _ in outs[: p.num_carry]], types)
+        return new_carry, [v for v, _ in outs[p.num_carry :]]
+
+    init_values = _cast_to_types([v for v, _ in init], types)
+    carry, ys = jax.lax.scan(
+        body,
+        init_values,
+        [v for v, _ in xs],
+        length=p.length,
+        reverse=p.reverse,
+        unroll=p.unroll,
+    )
+    return [*zip(carry, carry_roles, strict=True), *zip(ys, box, strict=True)]
+
+
+def _handle_while(ac, eqn, ins):
+    p = compat.while_parts(eqn)
+    cond_consts = list(ins[: p.cond_nconsts])
+    body_consts = list(ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts])
+    init = list(ins[p.cond_nconsts + p.body_nconsts :])
+    types = _fixpoint(ac, p.body_jaxpr, body_consts, init, [], len(init))
+    roles = [r for _, r in types]
+
+    def cond_fun(carry):
+        outs = ac.eval_jaxpr(p.cond_jaxpr, [*cond_consts, *zip(carry, roles, strict=True)])
+        return outs[0][0]
+
+    def body_fun(carry):
+        outs = ac.eval_jaxpr(p.body_jaxpr, [*body_consts, *zip(carry, roles, strict=True)])
+        return _cast_to_types([v for v, _ in outs], types)
+
+    out = jax.lax.while_loop(cond_fun, body_fun, _cast_to_types([v for v, _ in init], types))
+    return list(zip(out, roles, strict=True))
+
+
+def _handle_cond(ac, eqn, ins):
+    branches = compat.cond_parts(eqn)
+    (index, _), operands = ins[0], list(ins[1:])
+    types_in = [(aval(v), r) for v, r in operands]
+    per_branch = [ac.probe(b, (), types_in) for b in branches]
+    out_types = []
+    for outs in zip(*per_branch, strict=True):
+        dtypes = {dt for dt, _ in outs}
+        out_types.append((promote(sorted(dtypes, key=str)), max(r for _, r in outs)))
+    values, roles = _split(operands)
+
+    def make(branch):
+        def fun(*args):
+            outs = ac.eval_jaxpr(branch, list(zip(args, roles, strict=True)))
+            return _cast_to_types([v for v, _ in outs], out_types)
+
+        return fun
+
+    outs = jax.lax.switch(index, [make(b) for b in branches], *values)
+    return list(zip(outs, [r for _, r in out_types], strict=True))
+
+
+HANDLERS = {
+    **dict.fromkeys(compat.JIT_NAMES, _handle_jit),
+    **dict.fromkeys(compat.CALL_NAMES, _handle_call),
+    **dict.fromkeys(compat.REMAT_NAMES, _handle_remat),
+    "custom_jvp_call": _handle_custom_jvp,
+    "scan": _handle_scan,
+    "while": _handle_while,
+    "cond": _handle_cond,
+}

@@ -1,0 +1,43 @@
+"""autocast's bookkeeping: the role each value plays, and dtype helpers.
+
+- ``PLAIN``: as traced (inputs, parameters, constants, and what only they feed);
+- ``ACTIVATION``: moved to the compute dtype by a matmul rule, or computed from one;
+- ``PINNED``: float32 on purpose (a float32-rule result, an explicit cast).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ACTIVATION", "PINNED", "PLAIN", "aval", "cast", "is_float", "promote"]
+
+PLAIN, ACTIVATION, PINNED = 0, 1, 2
+
+
+def is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def cast(x: Any, dtype: np.dtype) -> Any:
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.asarray(x).astype(dtype)  # literals stay literals
+    return jax.lax.convert_element_type(x, dtype)
+
+
+def promote(dtypes: Sequence[Any]) -> np.dtype:
+    # Our own choice, independent of jax_numpy_dtype_promotion (which may be strict).
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(functools.reduce(jnp.promote_types, dtypes))
+
+
+def aval(value: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(value), dtype or value.dtype)
