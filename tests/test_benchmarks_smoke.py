@@ -1,0 +1,155 @@
+"""Every benchmark script runs in its smoke mode and writes a well-formed result.
+
+No timing is asserted (speed is measured by benchmarks/, never by tests); what is asserted is
+that each script measures every variant it promises, on the same work, with sane numbers.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxamp
+from benchmarks import (
+    _models,
+    _variants,
+    activation_memory,
+    compile_scaling,
+    gpu_speed,
+    step_overhead,
+)
+
+PEERS = set(_variants.VARIANTS)
+
+
+def _load(path):
+    payload = json.loads(path.read_text())
+    machine = payload["machine"]
+    assert machine["nproc"] >= 1 and machine["date_utc"] and machine["backend"]
+    assert machine["versions"]["jaxamp"] == jaxamp.__version__
+    return payload
+
+
+def _positive(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_compile_scaling_smoke(tmp_path, capsys):
+    out = tmp_path / "compile.json"
+    compile_scaling.main(["--smoke", "--out", str(out)])
+    payload = _load(out)
+    results = payload["results"]
+    assert {r["variant"] for r in results} == PEERS
+    for r in results:
+        assert r["status"] == "ok" and r["n_leaves"] == payload["config"]["sizes"][0]
+        assert _positive(r["median_wall_s"]) and _positive(r["median_cpu_s"])
+        assert _positive(r["ratio_cpu"])
+    assert next(r for r in results if r["variant"] == "plain_optax")["ratio_wall"] == 1.0
+    assert "| jaxamp " in capsys.readouterr().out
+
+
+def test_compile_scaling_skips_over_budget_with_a_reason():
+    with jax.numpy_dtype_promotion("standard"):
+        results = compile_scaling.run([2, 4000], reps=1, budget_s=1e-6, variants=["jaxamp"])
+    first, second = results
+    assert first["status"] == "ok" and first["reps"] == 1
+    assert second["status"] == "skipped" and "4000 leaves" in second["reason"]
+
+
+def test_step_overhead_smoke(tmp_path):
+    out = tmp_path / "step.json"
+    step_overhead.main(["--smoke", "--out", str(out)])
+    results = _load(out)["results"]
+    assert {(r["workload"], r["donate"]) for r in results} == {
+        ("mlp", False),
+        ("transformer", True),
+    }
+    for r in results:
+        assert len(r["per_step_s"]) == r["reps"] and _positive(r["median_s"])
+        assert r["min_s"] <= r["median_s"] and _positive(r["ratio_median"])
+
+
+def test_activation_memory_smoke(tmp_path):
+    out = tmp_path / "memory.json"
+    activation_memory.main(["--smoke", "--out", str(out)])
+    results = {r["variant"]: r for r in _load(out)["results"]}
+    assert set(results) == {
+        "float32",
+        "mixed_bf16_layer_dtypes",
+        "mixed_bf16_policy_casting",
+        "mixed_bf16_autocast",
+    }
+    f32 = results["float32"]
+    assert f32["residual_bytes"]["by_dtype"].keys() <= {"float32", "int32", "bool"}
+    assert f32["residual_ratio"] == 1.0
+    losses = [r["loss"] for r in results.values() if r["status"] == "ok"]
+    # The same initial params and batch: bf16 changes the loss only a little.
+    assert max(losses) - min(losses) < 0.05 * abs(f32["loss"])
+    for r in results.values():
+        if r["variant"] != "float32" and r["status"] == "ok":
+            assert r["residual_bytes"]["by_dtype"]["bfloat16"] > 0
+            assert r["residual_ratio"] < 1.0
+
+
+def test_gpu_speed_smoke(tmp_path):
+    out = tmp_path / "gpu.json"
+    gpu_speed.main(["--smoke", "--out", str(out)])
+    payload = _load(out)
+    assert payload["status"] == "ok"
+    combos = {(r["precision"], r["padded"]) for r in payload["results"]}
+    # Smoke mode runs every precision and both paddings, not all six pairs.
+    assert {p for p, _ in combos} == set(gpu_speed.PRECISIONS)
+    assert {pad for _, pad in combos} == {False, True}
+    for r in payload["results"]:
+        assert math.isfinite(r["final_loss"]) and _positive(r["median_step_s"])
+        dims = r["dims"]
+        aligned = all(d % gpu_speed.PAD_MULTIPLE == 0 for d in dims.values())
+        assert aligned == r["padded"]
+
+
+def test_gpu_speed_full_size_is_never_faked_without_a_gpu(tmp_path):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present: the full size would really run")
+    out = tmp_path / "gpu_full.json"
+    gpu_speed.main(["--out", str(out)])
+    payload = _load(out)
+    assert payload["status"].startswith("skipped") and payload["results"] == []
+
+
+def test_every_variant_trains_identically_on_finite_steps():
+    # The comparison is fair only if every variant does the same work: with finite
+    # gradients all of them follow the plain optax trajectory.
+    params = _models.mlp_params(4)
+    batch = _models.mlp_batch()
+    losses = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for name, make in _variants.VARIANTS.items():
+            variant = make(_models.mlp_loss, optax.adam(1e-2))
+            state, step = variant.init(params), jax.jit(variant.step)
+            trajectory = []
+            for _ in range(3):
+                state, loss = step(state, batch)
+                trajectory.append(float(loss))
+            losses[name] = trajectory
+    for name, trajectory in losses.items():
+        assert trajectory == pytest.approx(losses["plain_optax"], rel=1e-5), name
+
+
+def test_loss_scaling_state_can_be_donated():
+    # step_overhead donates the train state; a state holding one array twice
+    # would fail with "donate the same buffer twice".
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), jaxamp.DynamicLossScale(loss_scale=1.0))
+    params = {"w": jnp.ones(3)}
+
+    def step(state):
+        p, s = state
+        updates, s = tx.update(p, s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(step, donate_argnums=0)
+    state = step(step((params, tx.init(params))))
+    assert int(jaxamp.loss_scaling_metrics(state[1])["skipped_steps"]) == 0
+    assert float(state[0]["w"][0]) == pytest.approx(0.9**2)
