@@ -212,6 +212,16 @@ def write_markdown(path: Path, title: str, command: str, table: str, notes: str 
     path.write_text(text)
 
 
+# One color per setup in every plot.
+COLORS = {
+    "float32": "C0",
+    "mixed_bfloat16": "C1",
+    "mixed_float16": "C2",
+    "mixed_float16_no_scaling": "C3",
+    "autocast_bfloat16": "C4",
+}
+
+
 def use_agg_backend() -> Any:
     """matplotlib with the file-only Agg backend (no display needed)."""
     import matplotlib

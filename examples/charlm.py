@@ -344,8 +344,9 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
     fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(11, 4))
     for name, hist in histories.items():
         steps = np.arange(1, len(hist["loss"]) + 1)
-        ax_train.plot(steps, _common.smooth(hist["loss"] / math.log(2), 20), label=name)
-        ax_valid.plot(hist["valid_steps"], hist["valid_bits"], marker="o", ms=3, label=name)
+        style = {"label": name, "color": _common.COLORS.get(name)}
+        ax_train.plot(steps, _common.smooth(hist["loss"] / math.log(2), 20), **style)
+        ax_valid.plot(hist["valid_steps"], hist["valid_bits"], marker="o", ms=3, **style)
     ax_train.set(xlabel="step", ylabel="train bits/char (moving average of 20)")
     ax_train.set_title("training")
     ax_valid.set(xlabel="step", ylabel="validation bits/char")

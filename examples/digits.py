@@ -232,8 +232,9 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
     for name, hist in histories.items():
         steps = np.arange(1, len(hist["loss"]) + 1)
-        ax_loss.plot(steps, _common.smooth(hist["loss"], 20), label=name)
-        ax_scale.plot(steps, hist["loss_scale"], label=name)
+        style = {"label": name, "color": _common.COLORS.get(name)}
+        ax_loss.plot(steps, _common.smooth(hist["loss"], 20), **style)
+        ax_scale.plot(steps, hist["loss_scale"], **style)
     ax_loss.set(xlabel="step", ylabel="train loss (moving average of 20)", yscale="log")
     ax_loss.set_title("loss")
     ax_scale.set(xlabel="step", ylabel="loss scale used", yscale="log")

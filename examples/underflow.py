@@ -47,6 +47,12 @@ COLUMNS = [
 ]
 
 
+def weight_text(weight: float) -> str:
+    """``2**-20`` for powers of two, else ``%g``."""
+    exponent = np.log2(weight)
+    return f"2**{int(exponent)}" if exponent == int(exponent) else f"{weight:g}"
+
+
 def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [
         {
@@ -68,9 +74,10 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, hist in histories.items():
         steps = np.arange(1, len(hist["loss"]) + 1)
-        axes[0].plot(steps, _common.smooth(hist["loss"], 20), label=name)
-        axes[1].plot(steps, 100 * hist["zero_fraction"], label=name)
-        axes[2].plot(steps, hist["loss_scale"], label=name)
+        style = {"label": name, "color": _common.COLORS.get(name)}
+        axes[0].plot(steps, _common.smooth(hist["loss"], 20), **style)
+        axes[1].plot(steps, 100 * hist["zero_fraction"], **style)
+        axes[2].plot(steps, hist["loss_scale"], **style)
     axes[0].set(xlabel="step", ylabel="train loss / weight (moving average of 20)")
     axes[0].set_title("loss")
     axes[1].set(xlabel="step", ylabel="% of gradient entries exactly 0", ylim=(-2, 102))
@@ -119,8 +126,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Runs the demo; returns one dict per setup (with its ``history``)."""
     args = parse_args(argv)
     data = digits.load_data()
+    weight = weight_text(args.loss_weight)
     print(
-        f"underflow: digits CNN, loss x {args.loss_weight:g}, Adam, {args.steps} steps of "
+        f"underflow: digits CNN, loss x {weight}, Adam, {args.steps} steps of "
         f"batch {args.batch_size}"
     )
     rows, histories = [], {}
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     _common.write_markdown(
         args.out / "underflow.md",
-        f"underflow: float16 without and with loss scaling (loss x {args.loss_weight:g})",
+        f"underflow: float16 without and with loss scaling (loss x {weight})",
         " ".join(["python examples/underflow.py", *given]),
         table,
         notes,
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     plot(
         histories,
         args.out / "underflow.png",
-        f"digits CNN with loss x {args.loss_weight:g}: {args.steps} steps, batch {args.batch_size}",
+        f"digits CNN with loss x {weight}: {args.steps} steps, batch {args.batch_size}",
     )
     print(f"wrote {args.out / 'underflow.md'} and {args.out / 'underflow.png'}")
     return rows
