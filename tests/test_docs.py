@@ -73,6 +73,18 @@ def test_page_code_runs(page):
         del sys.modules[module.__name__]
 
 
+REPO_PATH = re.compile(
+    r"`((?:examples|benchmarks|tests|docs|jaxamp)/[\w./-]+\.(?:py|md|json|png)|[A-Z]+\.md)`"
+)
+
+
+def test_repository_paths_named_in_the_docs_exist():
+    named = {path for page in PAGES for path in REPO_PATH.findall(page.read_text())}
+    assert "examples/digits.py" in named  # the pattern itself works
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"the docs name files that do not exist: {missing}"
+
+
 def _public_names(module) -> set[str]:
     return {n for n in getattr(module, "__all__", ()) if not n.startswith("_")}
 
