@@ -231,9 +231,14 @@ def test_integer_and_bool_values_are_untouched():
 def test_composes_with_vmap_jit_and_value_and_grad():
     apply, params, x = _model("mlp")
     loss = _loss(apply)
-    per_example = jax.vmap(jaxamp.autocast(loss), in_axes=(None, 0))(params, x[:, None])
-    direct = jnp.stack([jaxamp.autocast(loss)(params, x[i : i + 1]) for i in range(x.shape[0])])
-    np.testing.assert_allclose(per_example, direct, rtol=1e-6)
+    per_example = jax.jit(jax.vmap(jaxamp.autocast(loss), in_axes=(None, 0)))(params, x[:, None])
+    one = jax.jit(jaxamp.autocast(loss))
+    direct = jnp.stack([one(params, x[i : i + 1]) for i in range(x.shape[0])])
+    # Batched and one-by-one runs compile to different kernels: equal to bf16 rounding.
+    np.testing.assert_allclose(per_example, direct, rtol=1e-2)
+    vmapped = jax.vmap(jaxamp.autocast(loss), in_axes=(None, 0))
+    report = jaxamp.precision_report(vmapped, params, x[:, None])
+    assert report.fraction_in(jnp.bfloat16) == 1.0
     value, grads = jax.jit(jax.value_and_grad(jaxamp.autocast(loss)))(params, x)
     assert value.dtype == F32 and _rel_err(value, loss(params, x)) < 4e-2
     # grad inside autocast (the backward pass is rewritten too).
