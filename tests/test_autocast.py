@@ -256,3 +256,16 @@ def test_pytree_and_static_arguments():
     out = jaxamp.autocast(f)({"w": jnp.ones((4, 2))}, jnp.ones((3, 4)), scale=2.0, name="ok")
     assert out["out"].dtype == F32 and out["n"].dtype == jnp.int32
     np.testing.assert_array_equal(out["out"], jnp.full((3, 2), 8.0))
+
+
+def test_explicit_casts_in_hand_written_mixed_code_are_kept():
+    def f(w, x):
+        h = x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)  # already mixed by hand
+        return jnp.tanh(h.astype(jnp.float32))  # an explicit upcast: the tanh stays float32
+
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f))(w, x).jaxpr
+    assert [e.outvars[0].aval.dtype for e in _eqns(jaxpr) if e.primitive.name == "tanh"] == [F32]
+    dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert [d.params["preferred_element_type"] for d in dots] == [F32]  # now accumulates in f32
+    np.testing.assert_allclose(jaxamp.autocast(f)(w, x), f(w, x), rtol=1e-6)
