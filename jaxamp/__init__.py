@@ -23,6 +23,7 @@ from jaxamp._optax import (
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._scaled_grad import scaled_value_and_grad
+from jaxamp._skip_guard import TooManySkippedSteps
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
@@ -40,6 +41,7 @@ __all__ = [
     "Policy",
     "PrecisionReport",
     "StaticLossScale",
+    "TooManySkippedSteps",
     "__version__",
     "align_dim",
     "all_finite",

@@ -11,6 +11,7 @@ import optax
 
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
 
 __all__ = [
     "AccumulationState",
@@ -108,6 +109,7 @@ def loss_scaling(
     axis_name: str | tuple[str, ...] | None = None,
     grad_reduction: str | None = None,
     accumulation_steps: int = 1,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with loss scaling and skipping of non-finite steps.
 
@@ -140,6 +142,10 @@ def loss_scaling(
         grads of replicated params in the backward pass: keep ``None`` (the
         default) there and ``lax.pmean`` the loss instead.
       accumulation_steps: micro-batches per optimizer step (default 1).
+      max_consecutive_skips: opt-in guard: once this many steps in a row were
+        skipped, raise :class:`jaxamp.TooManySkippedSteps` from a host callback
+        (inside jit JAX reports it as a ``JaxRuntimeError`` at the next sync)
+        instead of skipping silently forever. ``None`` (default) never raises.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -167,6 +173,7 @@ def loss_scaling(
             f"got {type(inner).__name__}: {inner!r}."
         )
     _check_options(axis_name, grad_reduction, accumulation_steps)
+    max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
     accumulation_steps = int(accumulation_steps)
     inner = optax.with_extra_args_support(inner)
 
@@ -235,11 +242,17 @@ def loss_scaling(
             # A skip anywhere is a skip everywhere: min over the devices' flags.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
         if accumulation_steps > 1:
-            return accumulate(grads, updates, finite, state, params, extra_args)
-        new_updates, inner_state = apply_or_skip(
-            grads, finite, state.inner_state, params, extra_args
-        )
-        return new_updates, _next_state(state, finite, inner_state)
+            new_updates, new_state = accumulate(grads, updates, finite, state, params, extra_args)
+        else:
+            new_updates, inner_state = apply_or_skip(
+                grads, finite, state.inner_state, params, extra_args
+            )
+            new_state = _next_state(state, finite, inner_state)
+        if max_consecutive_skips is not None:
+            guard_consecutive_skips(
+                new_state.consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips
+            )
+        return new_updates, new_state
 
     def accumulate(grads, updates, finite, state, params, extra_args):
         acc = state.accumulation

@@ -177,6 +177,12 @@ CASES = [
         ["accumulation_steps", ">= 1", "0"],
     ),
     (
+        "loss_scaling(tx, max_consecutive_skips=0)",
+        lambda: jaxamp.loss_scaling(optax.sgd(0.1), max_consecutive_skips=0),
+        ValueError,
+        ["max_consecutive_skips", "[1, 2**31 - 1]", "0"],
+    ),
+    (
         "tx.update(grads, optax.EmptyState())",
         lambda: jaxamp.loss_scaling(optax.sgd(0.1)).update({"w": jnp.ones(1)}, optax.EmptyState()),
         TypeError,

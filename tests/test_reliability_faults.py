@@ -140,3 +140,49 @@ def test_inject_fault_values_and_dtypes(value):
 def test_inject_fault_bad_input(call, error, fragment):
     with pytest.raises(error, match=fragment):
         call()
+
+
+def _guarded_run(limit, faulty_steps, total, accumulation_steps=1):
+    tx = jaxamp.loss_scaling(
+        optax.sgd(0.1),
+        jaxamp.DynamicLossScale(loss_scale=2.0**4),
+        max_consecutive_skips=limit,
+        accumulation_steps=accumulation_steps,
+    )
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for i in range(total):
+        grads = {"w": jnp.full(3, jnp.inf if i in faulty_steps else 1.0)}
+        _, state = update(grads, state, params)
+        jax.block_until_ready(state)
+    return state
+
+
+def test_guard_raises_a_clear_error_after_too_many_consecutive_skips():
+    with pytest.raises(RuntimeError, match=r"skipped 5 steps in a row .*max_consecutive_skips=5"):
+        _guarded_run(5, set(range(2, 100)), 100)
+    with pytest.raises(RuntimeError, match="TooManySkippedSteps|skipped 4 steps in a row"):
+        _guarded_run(4, set(range(100)), 10)
+
+
+def test_guard_stays_quiet_when_skips_are_interrupted_by_finite_steps():
+    faulty = {i for i in range(60) if i % 5}  # four skips, then one good step, repeated
+    state = _guarded_run(5, faulty, 60)
+    assert int(state.skipped_steps) == len(faulty) and int(state.consecutive_skips) == 4
+
+
+def test_guard_counts_windows_with_accumulation():
+    # 3 faulty windows of 2 micro-batches in a row: the limit of 3 is hit at micro-step 6.
+    with pytest.raises(RuntimeError, match="skipped 3 steps in a row"):
+        _guarded_run(3, set(range(100)), 6, accumulation_steps=2)
+    state = _guarded_run(3, set(range(100)), 5, accumulation_steps=2)
+    assert int(state.consecutive_skips) == 2
+
+
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (2.5, TypeError), (True, TypeError), ("3", TypeError)]
+)
+def test_guard_option_is_validated(value, error):
+    with pytest.raises(error, match="max_consecutive_skips must be"):
+        jaxamp.loss_scaling(optax.sgd(0.1), max_consecutive_skips=value)

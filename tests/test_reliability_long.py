@@ -88,7 +88,9 @@ def test_skip_counters_saturate_instead_of_overflowing():
 
 def _train_setup():
     tx = jaxamp.loss_scaling(
-        optax.sgd(0.01, momentum=0.9), jaxamp.DynamicLossScale(loss_scale=2.0**4, growth_interval=3)
+        optax.sgd(0.01, momentum=0.9),
+        jaxamp.DynamicLossScale(loss_scale=2.0**4, growth_interval=3),
+        max_consecutive_skips=2,  # the guard itself must transfer nothing per step
     )
     params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
     policy = jaxamp.get_policy("mixed_float16")
