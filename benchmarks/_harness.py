@@ -57,9 +57,15 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line shared by every script: ``--smoke`` and ``--out``."""
+def parse_args(
+    description: str,
+    argv: Sequence[str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The command line shared by every script (``--smoke``, ``--out``), plus ``extra``'s."""
     parser = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(parser)
     parser.add_argument(
         "--smoke", action="store_true", help="tiny sizes and few repetitions (seconds; for CI)"
     )

@@ -12,6 +12,7 @@ a super-linear variant), exceeds the per-(variant, size) budget is skipped at th
 larger ones, and recorded as skipped with the reason; no number is ever made up.
 
     python -m benchmarks.compile_scaling            # full run (sizes 10, 100, 300, 1000)
+    python -m benchmarks.compile_scaling --model gpt  # GPT blocks: 22, 102, 310 leaves
     python -m benchmarks.compile_scaling --smoke    # seconds
 """
 
@@ -30,9 +31,20 @@ from benchmarks._variants import REFERENCE, VARIANTS
 NAME = "compile_scaling"
 
 
-def _measure(name: str, n_leaves: int, state: Any, batch: Any) -> tuple[float, float]:
+def workload(model: str, size: int) -> tuple[Any, Any, Any]:
+    """``(loss_fn, params, batch)``; ``size`` is the leaf count (mlp) or block count (gpt)."""
+    if model == "mlp":
+        return _models.mlp_loss, _models.mlp_params(size), _models.mlp_batch()
+    config = _models.GPTConfig(
+        vocab=256, seq=32, d_model=64, n_heads=2, d_ff=128, n_layers=size, batch=4
+    )
+    gpt = _models.GPT(config)
+    return _models.gpt_loss_fn(gpt), _models.gpt_init(gpt, config), _models.gpt_batch(config)
+
+
+def _measure(name: str, loss_fn: Any, state: Any, batch: Any) -> tuple[float, float]:
     def build_step():
-        return VARIANTS[name](_models.mlp_loss, optax.adam(1e-3)).step
+        return VARIANTS[name](loss_fn, optax.adam(1e-3)).step
 
     cpu_start = time.process_time()
     wall = _harness.time_compile(build_step, (state, batch))
@@ -40,15 +52,19 @@ def _measure(name: str, n_leaves: int, state: Any, batch: Any) -> tuple[float, f
 
 
 def run(
-    sizes: Sequence[int], reps: int, budget_s: float, variants: Sequence[str] = tuple(VARIANTS)
+    sizes: Sequence[int],
+    reps: int,
+    budget_s: float,
+    variants: Sequence[str] = tuple(VARIANTS),
+    model: str = "mlp",
 ) -> list[dict[str, Any]]:
     """Measures every (variant, size); returns one record per pair, skipped ones included."""
-    batch = _models.mlp_batch()
     results: list[dict[str, Any]] = []
-    previous: dict[str, tuple[int, float]] = {}  # variant -> (size, median cpu s)
+    previous: dict[str, tuple[int, float]] = {}  # variant -> (leaves, median cpu s)
     skipped: dict[str, str] = {}
-    for n_leaves in sizes:
-        params = _models.mlp_params(n_leaves)
+    for size in sizes:
+        loss_fn, params, batch = workload(model, size)
+        n_leaves = len(jax.tree.leaves(params))
         active = []
         for name in variants:
             if name not in skipped and name in previous:
@@ -71,9 +87,7 @@ def run(
                 )
             else:
                 active.append(name)
-        states = {
-            name: VARIANTS[name](_models.mlp_loss, optax.adam(1e-3)).init(params) for name in active
-        }
+        states = {name: VARIANTS[name](loss_fn, optax.adam(1e-3)).init(params) for name in active}
         walls: dict[str, list[float]] = {name: [] for name in active}
         cpus: dict[str, list[float]] = {name: [] for name in active}
         for rep in range(reps):
@@ -81,7 +95,7 @@ def run(
                 # Later repetitions only while this (variant, size) is within its budget.
                 if rep and sum(cpus[name]) + cpus[name][-1] > budget_s:
                     continue
-                wall, cpu = _measure(name, n_leaves, states[name], batch)
+                wall, cpu = _measure(name, loss_fn, states[name], batch)
                 walls[name].append(wall)
                 cpus[name].append(cpu)
                 print(
@@ -141,20 +155,33 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _harness.parse_args(__doc__.splitlines()[0], argv)
+    def extra(parser):
+        parser.add_argument(
+            "--model",
+            choices=("mlp", "gpt"),
+            default="mlp",
+            help="mlp: 16x16 dense chain, sizes in leaves (default); gpt: small GPT blocks, "
+            "sizes in blocks (16 leaves each + 6)",
+        )
+
+    args = _harness.parse_args(__doc__.splitlines()[0], argv, extra)
+    name = NAME if args.model == "mlp" else f"{NAME}_gpt"
     if args.smoke:
-        config = {"sizes": [4], "reps": 1, "budget_s": 60.0}
-    else:
+        config = {"sizes": [4] if args.model == "mlp" else [1], "reps": 1, "budget_s": 60.0}
+    elif args.model == "mlp":
         config = {"sizes": [10, 100, 300, 1000], "reps": 3, "budget_s": 60.0}
+    else:
+        config = {"sizes": [1, 6, 19], "reps": 3, "budget_s": 60.0}
     config.update(
-        model="chain of 16x16 dense layers (weight + bias per layer)",
-        batch=8,
+        model="chain of 16x16 dense layers (weight + bias per layer), batch 8"
+        if args.model == "mlp"
+        else "GPT blocks: vocab 256, seq 32, d_model 64, 2 heads, d_ff 128, batch 4",
         optimizer="optax.adam(1e-3)",
         timed="jax.jit(step).lower(state, batch).compile()",
     )
     # optax.adam mixes Python floats with int32 counts, which strict promotion rejects.
     with jax.numpy_dtype_promotion("standard"):
-        results = run(config["sizes"], config["reps"], config["budget_s"])
+        results = run(config["sizes"], config["reps"], config["budget_s"], model=args.model)
     print(table(results))
     payload = {
         "benchmark": NAME,
@@ -162,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": config,
         "results": results,
     }
-    _harness.write_json(args.out or _harness.default_out(NAME, args.smoke), payload)
+    _harness.write_json(args.out or _harness.default_out(name, args.smoke), payload)
     return payload
 
 

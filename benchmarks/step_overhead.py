@@ -4,8 +4,9 @@ Two workloads (a small MLP whose step is short, so any overhead shows, and a GPT
 transformer), each with and without donation of the train state. Every variant is compiled
 once; then repetitions interleave the variants in rotating order, each repetition timing a
 block of steps that ends with ``block_until_ready``. Reported: the median and the minimum
-per-step time over repetitions (on a shared machine the minimum is the least disturbed
-estimate) and their ratios to the plain optax step.
+wall time per step over repetitions, and the median of this process's CPU time per step (on a
+shared machine the minimum and the CPU time are the least disturbed estimates), each with its
+ratio to the plain optax step.
 
     python -m benchmarks.step_overhead            # full run
     python -m benchmarks.step_overhead --smoke    # seconds
@@ -47,12 +48,13 @@ def _workload(kind: str, smoke: bool) -> tuple[Any, Any, Any, dict[str, Any]]:
     return _models.gpt_loss_fn(model), params, _models.gpt_batch(config), desc
 
 
-def _run_steps(step: Any, state: Any, batch: Any, n: int) -> tuple[Any, float]:
-    start = time.perf_counter()
+def _run_steps(step: Any, state: Any, batch: Any, n: int) -> tuple[Any, float, float]:
+    """Runs ``n`` steps; returns the state and the wall and process-CPU seconds per step."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(n):
         state, loss = step(state, batch)
     jax.block_until_ready((state, loss))
-    return state, (time.perf_counter() - start) / n
+    return state, (time.perf_counter() - start) / n, (time.process_time() - cpu_start) / n
 
 
 def measure(
@@ -68,15 +70,19 @@ def measure(
         # Fresh buffers for every leaf: inits may share one array between fields,
         # which donation would then try to donate twice.
         states[name] = jax.tree.map(lambda x: jnp.array(x, copy=True), variant.init(params))
-        states[name], _ = _run_steps(steps[name], states[name], batch, 3)  # compile + warm up
+        states[name], _, _ = _run_steps(steps[name], states[name], batch, 3)  # compile + warm up
     # One block length for every variant, from the reference step's time.
-    states[REFERENCE], t_ref = _run_steps(steps[REFERENCE], states[REFERENCE], batch, 3)
+    states[REFERENCE], t_ref, _ = _run_steps(steps[REFERENCE], states[REFERENCE], batch, 3)
     n_steps = max(1, round(rep_seconds / max(t_ref, 1e-6)))
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    cpu_times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for rep in range(reps):
         for name in _harness.rotated(list(VARIANTS), rep):
-            states[name], per_step = _run_steps(steps[name], states[name], batch, n_steps)
+            states[name], per_step, cpu_per_step = _run_steps(
+                steps[name], states[name], batch, n_steps
+            )
             times[name].append(per_step)
+            cpu_times[name].append(cpu_per_step)
     results = []
     for name in VARIANTS:
         results.append(
@@ -90,17 +96,30 @@ def measure(
                 "per_step_s": times[name],
                 "median_s": _harness.median(times[name]),
                 "min_s": min(times[name]),
+                "cpu_per_step_s": cpu_times[name],
+                "median_cpu_s": _harness.median(cpu_times[name]),
             }
         )
     ref = next(r for r in results if r["variant"] == REFERENCE)
     for r in results:
         r["ratio_median"] = r["median_s"] / ref["median_s"]
         r["ratio_min"] = r["min_s"] / ref["min_s"]
+        r["ratio_cpu"] = r["median_cpu_s"] / ref["median_cpu_s"]
     return results
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    headers = ["workload", "donate", "variant", "median ms", "x plain", "min ms", "x plain (min)"]
+    headers = [
+        "workload",
+        "donate",
+        "variant",
+        "median ms",
+        "x plain",
+        "min ms",
+        "x plain (min)",
+        "cpu ms",
+        "x plain (cpu)",
+    ]
     rows = [
         [
             r["workload"],
@@ -110,6 +129,8 @@ def table(results: list[dict[str, Any]]) -> str:
             r["ratio_median"],
             1e3 * r["min_s"],
             r["ratio_min"],
+            1e3 * r["median_cpu_s"],
+            r["ratio_cpu"],
         ]
         for r in results
     ]

@@ -1,0 +1,52 @@
+"""Prints the markdown tables of BENCHMARKS.md from the JSON files in benchmarks/results/.
+
+python -m benchmarks.report            # every full (non-smoke) result
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import _harness, activation_memory, compile_scaling, gpu_speed, step_overhead
+
+TABLES = {
+    "compile_scaling": compile_scaling.table,
+    "compile_scaling_gpt": compile_scaling.table,
+    "step_overhead": step_overhead.table,
+    "activation_memory": activation_memory.table,
+    "gpu_speed": gpu_speed.table,
+}
+
+
+def render(path: Path) -> str:
+    payload = json.loads(path.read_text())
+    m = payload["machine"]
+    lines = [
+        f"### {path.stem}",
+        "",
+        f"- command: `{m['command']}`",
+        f"- machine: {m['nproc']} CPUs ({m['cpu_model']}), backend {m['backend']} "
+        f"({m['device_kind']}), jax {m['versions']['jax']}, flax {m['versions']['flax']}, "
+        f"optax {m['versions']['optax']}, jmp {m['versions']['jmp']}",
+        f"- date (UTC): {m['date_utc']}",
+        "",
+    ]
+    if payload.get("status", "ok") != "ok":
+        lines.append(f"Not run: {payload['status']}.")
+    else:
+        lines.append(TABLES[path.stem](payload["results"]))
+        reasons = {r["reason"] for r in payload["results"] if r.get("status") == "skipped"}
+        lines += [f"- skipped: {reason}" for reason in sorted(reasons)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    for stem in TABLES:
+        path = _harness.RESULTS_DIR / f"{stem}.json"
+        if path.exists():
+            print(render(path))
+
+
+if __name__ == "__main__":
+    main()
