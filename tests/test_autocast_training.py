@@ -117,10 +117,9 @@ def _temp_bytes(loss_fn, params, tokens):
 
 
 def test_compiled_memory_matches_hand_written_bfloat16():
-    config = {"vocab": 64, "d": 64, "heads": 4, "layers": 1}
-    tokens = _tokens(batch=4, length=33, vocab=64)
-    loss_f32, params_f32 = _lm(None, **config)
-    loss_bf16, params_bf16 = _lm(jnp.bfloat16, **config)
+    tokens = _tokens(batch=4, length=33)
+    loss_f32, params_f32 = _lm(None)  # the model of the training test (built once)
+    loss_bf16, params_bf16 = _lm(jnp.bfloat16)
     autocast_bytes = _temp_bytes(jaxamp.autocast(loss_f32), params_f32, tokens)
     with jax.numpy_dtype_promotion("standard"):  # Flax's bf16 layers mix dtypes
         hand_bytes = _temp_bytes(loss_bf16, params_bf16, tokens)
