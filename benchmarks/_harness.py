@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,8 @@ def machine_info() -> dict[str, Any]:
     devices = jax.devices()
     return {
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": _command(),
+        "jaxamp_commit": _git_commit(),
         "nproc": os.cpu_count(),
         "cpu_model": cpu_model,
         "backend": jax.default_backend(),
@@ -55,6 +57,37 @@ def machine_info() -> dict[str, Any]:
             "jaxamp": jaxamp.__version__,
         },
     }
+
+
+def _git_commit() -> str | None:
+    """The checked-out commit (with ``-dirty`` when jaxamp/ has local changes), if any."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "jaxamp"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def _command() -> str:
+    """How this process was started, as ``python -m benchmarks.<name> ...`` when it was."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return " ".join(["python", "-m", spec.name, *sys.argv[1:]])
+    return " ".join(["python", *sys.argv])
 
 
 def parse_args(

@@ -164,6 +164,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "sizes in blocks (16 leaves each + 6)",
         )
 
+        parser.add_argument(
+            "--variants",
+            nargs="+",
+            choices=tuple(VARIANTS),
+            default=tuple(VARIANTS),
+            help="the variants to measure (default: all)",
+        )
+
     args = _harness.parse_args(__doc__.splitlines()[0], argv, extra)
     name = NAME if args.model == "mlp" else f"{NAME}_gpt"
     if args.smoke:
@@ -181,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     # optax.adam mixes Python floats with int32 counts, which strict promotion rejects.
     with jax.numpy_dtype_promotion("standard"):
-        results = run(config["sizes"], config["reps"], config["budget_s"], model=args.model)
+        results = run(
+            config["sizes"], config["reps"], config["budget_s"], args.variants, args.model
+        )
     print(table(results))
     payload = {
         "benchmark": NAME,
