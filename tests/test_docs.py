@@ -130,6 +130,20 @@ def test_primer_quotes_the_figure_data():
     assert data["skipped_steps"] == 0
 
 
+def test_troubleshooting_names_the_report_columns_that_exist():
+    report = jaxamp.precision_report(
+        lambda a, b: a @ b, jax.numpy.ones((3, 5)), jax.numpy.ones((5, 2))
+    )
+    header = str(report).splitlines()[0].split()
+    page = (DOCS / "troubleshooting.md").read_text()
+    described = re.findall(r"^- `(\w+)`(?:, `(\w+)`)?:", page, re.MULTILINE)
+    columns = {name for pair in described for name in pair if name}
+    assert {"lhs", "rhs", "FLOPs", "dims"} <= columns
+    assert columns <= set(header), (
+        f"columns described but not in the report: {columns - set(header)}"
+    )
+
+
 def _load_docs_module(name):
     spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -210,6 +224,10 @@ def test_site_builds_strict(tmp_path):
             expected |= {f"jaxamp.{sub}.{n}" for n in _public_names(module)}
     assert expected <= anchors, f"not rendered: {sorted(expected - anchors)}"
     assert "backoff_factor" in (tmp_path / "api" / "loss-scales" / "index.html").read_text()
+    # Sample output generated at build time (docs/hooks.py) from the block above it.
+    troubleshooting = (tmp_path / "troubleshooting" / "index.html").read_text()
+    assert "output-of-previous-block" not in troubleshooting
+    assert "M=30*" in troubleshooting
     # The rules table is generated from the code by docs/hooks.py at build time.
     autocast_page = (tmp_path / "api" / "autocast" / "index.html").read_text()
     missing_rules = [p for p in jaxamp.AUTOCAST_RULES if f"<code>{p}</code>" not in autocast_page]
