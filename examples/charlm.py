@@ -2,7 +2,8 @@
 
 Text: 19 modules of the Python standard library, read from
 ``sysconfig.get_paths()["stdlib"]`` in this fixed order (``STDLIB_FILES``),
-joined with a blank line; the first 90% trains, the last 10% validates. Every
+joined with a blank line and cut into 4,096-character blocks; every tenth block
+validates, the others train. Every
 Python install ships them; the exact text (and so the numbers) depend on the
 Python version, which the results file records. Characters outside printable
 ASCII become ``?`` and tabs spaces, so the vocabulary is fixed: 96 symbols.
@@ -100,6 +101,16 @@ def encode(text: str) -> np.ndarray:
 
 def decode(ids: Any) -> str:
     return "".join(VOCAB[int(i)] for i in ids)
+
+
+def split_blocks(ids: np.ndarray, block: int = 4096, every: int = 10) -> tuple[np.ndarray, ...]:
+    """Every ``every``-th block of ``block`` ids validates, the rest trains.
+
+    Interleaved rather than one tail, so that both halves come from every module.
+    """
+    index = np.arange(len(ids)) // block
+    valid = index % every == every - 1
+    return ids[~valid], ids[valid]
 
 
 class Block(nnx.Module):
@@ -403,9 +414,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Runs the comparison; returns one dict per setup (with ``history`` and ``sample``)."""
     args = parse_args(argv)
-    ids = encode(load_text())
-    split = int(0.9 * len(ids))
-    train_ids, valid_ids = ids[:split], ids[split:]
+    train_ids, valid_ids = split_blocks(encode(load_text()))
     dims = sizes(args)
     print(
         f"charlm: {len(STDLIB_FILES)} stdlib files, {len(train_ids):,} train / "
@@ -433,7 +442,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"{dims['mlp']}, context {dims['context']}, vocabulary {dims['vocab']} padded to "
         f"{dims['padded_vocab']}; AdamW with global-norm clipping inside `jaxamp.loss_scaling` "
         "(no loss scaling for bfloat16). Validation: "
-        f"{args.eval_windows} fixed windows of the last 10% of the text. Memory columns as in "
+        f"{args.eval_windows} fixed windows of every tenth 4 kB block of the text. Memory "
+        "columns as in "
         "digits.md; `ms/step` excludes compilation and evaluation. `matmul FLOPs in bf16` and "
         "`misaligned matmuls` come from `jaxamp.precision_report` of the gradient "
         "computation (forward and backward; misaligned: a dim not a multiple of the "

@@ -172,7 +172,7 @@ def test_charlm_writes_table_plot_and_samples(charlm_run):
 def assert_bfloat16_agrees(rows, setup):
     reference, row = rows["float32"], rows[setup]
     first = reference["history"]["loss"][0] / math.log(2)
-    assert first == pytest.approx(math.log2(96), abs=0.6)  # untrained: about uniform
+    assert first > math.log2(96) - 0.5  # untrained: no better than uniform over 96
     assert reference["valid_bits"] < first - 0.8  # it learns
     # Same weights, same batches: the curves differ only by rounding.
     np.testing.assert_allclose(row["history"]["loss"], reference["history"]["loss"], atol=0.05)
@@ -201,6 +201,10 @@ def test_charlm_text_and_alignment():
     text = charlm.load_text(max_chars=5_000)
     assert set(text) <= set(charlm.VOCAB) and len(text) == 5_000
     assert charlm.decode(charlm.encode(text)) == text
+    ids = np.arange(25_000)
+    train_ids, valid_ids = charlm.split_blocks(ids, block=1000, every=10)
+    np.testing.assert_array_equal(valid_ids, np.r_[9000:10_000, 19_000:20_000])
+    assert len(train_ids) == 23_000 and not set(train_ids) & set(valid_ids)
     args = charlm.parse_args(["--fast", "--width", "40"])
     dims = charlm.sizes(args)
     assert dims["padded_vocab"] == 128 and dims["vocab"] == 96
