@@ -12,6 +12,7 @@ from benchmarks import _harness, activation_memory, compile_scaling, gpu_speed, 
 
 TABLES = {
     "compile_scaling": compile_scaling.table,
+    "compile_scaling_jaxamp_select": compile_scaling.table,
     "compile_scaling_gpt": compile_scaling.table,
     "step_overhead": step_overhead.table,
     "activation_memory": activation_memory.table,
@@ -29,7 +30,7 @@ def render(path: Path) -> str:
         f"- machine: {m['nproc']} CPUs ({m['cpu_model']}), backend {m['backend']} "
         f"({m['device_kind']}), jax {m['versions']['jax']}, flax {m['versions']['flax']}, "
         f"optax {m['versions']['optax']}, jmp {m['versions']['jmp']}",
-        f"- date (UTC): {m['date_utc']}",
+        f"- date (UTC): {m['date_utc']}; jaxamp commit {m.get('jaxamp_commit')}",
         "",
     ]
     if payload.get("status", "ok") != "ok":
