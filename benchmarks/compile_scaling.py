@@ -67,7 +67,8 @@ def run(
         n_leaves = len(jax.tree.leaves(params))
         active = []
         for name in variants:
-            if name not in skipped and name in previous:
+            # The reference is never skipped: every ratio needs it.
+            if name != REFERENCE and name not in skipped and name in previous:
                 prev_size, prev_cpu = previous[name]
                 predicted = prev_cpu * n_leaves / prev_size
                 if predicted > budget_s:
@@ -165,6 +166,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
 
         parser.add_argument(
+            "--budget",
+            type=float,
+            default=60.0,
+            help="CPU seconds per (variant, size) before a variant is skipped (default 60)",
+        )
+        parser.add_argument(
             "--variants",
             nargs="+",
             choices=tuple(VARIANTS),
@@ -175,11 +182,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _harness.parse_args(__doc__.splitlines()[0], argv, extra)
     name = NAME if args.model == "mlp" else f"{NAME}_gpt"
     if args.smoke:
-        config = {"sizes": [4] if args.model == "mlp" else [1], "reps": 1, "budget_s": 60.0}
+        config = {"sizes": [4] if args.model == "mlp" else [1], "reps": 1}
     elif args.model == "mlp":
-        config = {"sizes": [10, 100, 300, 1000], "reps": 3, "budget_s": 60.0}
+        config = {"sizes": [10, 100, 300, 1000], "reps": 3}
     else:
-        config = {"sizes": [1, 6, 19], "reps": 3, "budget_s": 60.0}
+        config = {"sizes": [1, 6, 19], "reps": 3}
+    config["budget_s"] = args.budget
     config.update(
         model="chain of 16x16 dense layers (weight + bias per layer), batch 8"
         if args.model == "mlp"
