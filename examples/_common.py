@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -198,6 +199,21 @@ def machine_description() -> str:
     )
 
 
+def code_version() -> str:
+    """The git commit of the checkout, and whether jaxamp/ or examples/ differ from it."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return f"jaxamp {jaxamp.__version__} (not a git checkout)"
+    dirty = git("status", "--porcelain", "--", "jaxamp", "examples", ":!examples/results")
+    return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
+
+
 def write_markdown(path: Path, title: str, command: str, table: str, notes: str = "") -> None:
     """Writes a results file: title, the command that produced it, machine, date, table."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -205,6 +221,7 @@ def write_markdown(path: Path, title: str, command: str, table: str, notes: str 
         f"# {title}\n\n"
         f"Command: `{command}`\n\n"
         f"Machine: {machine_description()}\n\n"
+        f"Code: {code_version()}\n\n"
         f"Date: {stamp}\n\n{table}\n"
     )
     if notes:
