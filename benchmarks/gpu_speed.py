@@ -177,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload["peak_bf16_flops"] = peak
     model_flops = config.train_flops_per_step()
     cases = [(precision, padded) for padded in (False, True) for precision in PRECISIONS]
-    if args.smoke:  # every precision and both paddings, but not all six pairs
-        cases = [("float32", False), ("mixed_bfloat16", True), ("mixed_float16", False)]
+    if args.smoke:  # both paddings, float32 and the loss-scaled float16 path (seconds each)
+        cases = [("float32", False), ("mixed_float16", True)]
     payload["cases"] = cases
     results = []
     with jax.numpy_dtype_promotion("standard"):  # optax.adamw under strict promotion fails
