@@ -387,7 +387,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt", default="def ", help="start of the generated sample")
     parser.add_argument("--sample-chars", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for charlm.md/.png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="folder for charlm.md/.png (default: examples/results)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action="store_true", help="a tiny model, a few steps (tests)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -260,9 +260,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(SETUPS),
         help=f"comma-separated setups, from: {', '.join(SETUPS)}",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for digits.md/.png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="folder for digits.md/.png (default: examples/results)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
-    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="Adam's")
+    parser.add_argument(
+        "--learning-rate", type=float, default=LEARNING_RATE, help="Adam's (%(default)g)"
+    )
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

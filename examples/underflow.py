@@ -104,8 +104,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--loss-weight", type=float, default=DEFAULT_LOSS_WEIGHT, help="multiplies the loss"
     )
-    parser.add_argument("--learning-rate", type=float, default=digits.LEARNING_RATE)
-    parser.add_argument("--out", type=Path, default=digits.RESULTS, help="output folder")
+    parser.add_argument(
+        "--learning-rate", type=float, default=digits.LEARNING_RATE, help="Adam's (%(default)g)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=digits.RESULTS,
+        help="folder for underflow.md/.png (default: examples/results)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
