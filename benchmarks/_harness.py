@@ -121,6 +121,18 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def save(benchmark: str, out_name: str, args: Any, config: Any, results: Any) -> dict[str, Any]:
+    """Writes the run's JSON (benchmark, machine, config, results) and returns it."""
+    payload = {
+        "benchmark": benchmark,
+        "machine": machine_info(),
+        "config": config,
+        "results": results,
+    }
+    write_json(args.out or default_out(out_name, args.smoke), payload)
+    return payload
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

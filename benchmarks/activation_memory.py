@@ -169,18 +169,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with jax.numpy_dtype_promotion("standard"):
         results = run(config)
     print(table(results))
-    payload = {
-        "benchmark": NAME,
-        "machine": _harness.machine_info(),
-        "config": {
-            **config.__dict__,
-            "n_params": config.n_params(),
-            "measure": "jax.eval_shape of the jax.vjp residuals w.r.t. params",
-        },
-        "results": results,
+    described = {
+        **config.__dict__,
+        "n_params": config.n_params(),
+        "measure": "jax.eval_shape of the jax.vjp residuals w.r.t. params",
     }
-    _harness.write_json(args.out or _harness.default_out(NAME, args.smoke), payload)
-    return payload
+    return _harness.save(NAME, NAME, args, described, results)
 
 
 if __name__ == "__main__":

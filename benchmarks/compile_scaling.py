@@ -201,14 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             config["sizes"], config["reps"], config["budget_s"], args.variants, args.model
         )
     print(table(results))
-    payload = {
-        "benchmark": NAME,
-        "machine": _harness.machine_info(),
-        "config": config,
-        "results": results,
-    }
-    _harness.write_json(args.out or _harness.default_out(name, args.smoke), payload)
-    return payload
+    return _harness.save(NAME, name, args, config, results)
 
 
 if __name__ == "__main__":

@@ -170,14 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(table(case), flush=True)
             results += case
     print(table(results))
-    payload = {
-        "benchmark": NAME,
-        "machine": _harness.machine_info(),
-        "config": config,
-        "results": results,
-    }
-    _harness.write_json(args.out or _harness.default_out(NAME, args.smoke), payload)
-    return payload
+    return _harness.save(NAME, NAME, args, config, results)
 
 
 if __name__ == "__main__":
