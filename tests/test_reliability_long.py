@@ -127,5 +127,8 @@ def test_thousand_steps_compile_once_and_transfer_nothing():
     assert len(traces) == 1
     metrics = jax.device_get(jaxamp.loss_scaling_metrics(opt_state))
     assert int(metrics["skipped_steps"]) == 200  # every fifth step injected a fault
-    assert len({float(s) for s in jax.device_get(scales)}) >= 1
-    assert all(np.isfinite(jax.device_get(scales)))
+    # The scale changed every few steps (a fault every fifth step, growth after three
+    # finite ones) and followed the rules exactly, all without a retrace or a transfer.
+    flags = [i % 5 != 0 for i in range(1000)]
+    expected, *_ = python_reference(flags, 2.0**4, 3, 1.0, float(np.finfo(np.float32).max))
+    assert np.array_equal(np.asarray(jax.device_get(scales)), expected[100::100])
