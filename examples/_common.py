@@ -249,6 +249,17 @@ def use_agg_backend() -> Any:
     return plt
 
 
+def finish_figure(fig: Any, axes: Sequence[Any], title: str, path: Path) -> None:
+    """Grid and legend on every axis, a title, then save ``fig`` to ``path`` and close it."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    use_agg_backend().close(fig)
+
+
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
     """Trailing moving average (shorter at the start) for readable loss curves."""
     values = np.asarray(values, np.float64)

@@ -362,13 +362,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
     ax_train.set_title("training")
     ax_valid.set(xlabel="step", ylabel="validation bits/char")
     ax_valid.set_title("validation")
-    for ax in (ax_train, ax_valid):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.finish_figure(fig, (ax_train, ax_valid), title, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

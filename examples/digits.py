@@ -240,13 +240,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
     ax_scale.set(xlabel="step", ylabel="loss scale used", yscale="log")
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_title("loss scale (1 = no scaling)")
-    for ax in (ax_loss, ax_scale):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.finish_figure(fig, (ax_loss, ax_scale), title, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -85,13 +85,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
     axes[2].set(xlabel="step", ylabel="loss scale used")
     axes[2].set_yscale("log", base=2)
     axes[2].set_title("loss scale (1 = no scaling)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _common.finish_figure(fig, axes, title, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
