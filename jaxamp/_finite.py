@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["all_finite", "check_finite_flag", "select_tree"]
+__all__ = ["all_finite", "check_finite_flag", "select", "select_tree"]
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -106,5 +106,15 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
                 f"{jnp.result_type(b)}{list(jnp.shape(b))}."
             )
     return jax.tree.unflatten(
-        true_def, [jnp.where(pred, a, b) for a, b in zip(true_leaves, false_leaves, strict=True)]
+        true_def, [select(pred, a, b) for a, b in zip(true_leaves, false_leaves, strict=True)]
     )
+
+
+def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
+    """``on_true`` where the bool scalar ``pred`` holds, else ``on_false`` (same shape and dtype).
+
+    ``lax.select_n`` with the scalar predicate, not ``jnp.where``: ``jnp.where`` is
+    a nested jit per call, and with one per leaf XLA's call inliner and call-graph
+    passes (and the lowering) grew with the leaf count (BENCHMARKS.md).
+    """
+    return jax.lax.select_n(pred, jnp.asarray(on_false), jnp.asarray(on_true))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._finite import check_finite_flag
+from jaxamp._finite import check_finite_flag, select
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
@@ -76,7 +76,8 @@ class _Scaling:
         is exact; unlike a division, XLA can fuse the multiply into every consumer
         of a gradient instead of keeping an extra buffer per leaf (BENCHMARKS.md).
         """
-        return jax.tree.map(lambda x: _apply(x, 1 / self.loss_scale, jnp.multiply), tree)
+        reciprocal = 1 / self.loss_scale  # once, not once per leaf
+        return jax.tree.map(lambda x: _apply(x, reciprocal, jnp.multiply), tree)
 
 
 def _apply(x: Any, loss_scale: jax.Array, op) -> Any:
@@ -235,10 +236,8 @@ class DynamicLossScale(_Scaling):
         grow = finite_steps >= self.growth_interval
         grown = jnp.minimum(self.loss_scale * self.growth_factor, self.max_loss_scale)
         shrunk = jnp.maximum(self.loss_scale * self.backoff_factor, self.min_loss_scale)
-        loss_scale = jnp.where(
-            grads_finite, jnp.where(grow, grown, self.loss_scale), shrunk
-        ).astype(jnp.float32)
-        counter = jnp.where(grads_finite & ~grow, finite_steps, 0).astype(jnp.int32)
+        loss_scale = select(grads_finite, select(grow, grown, self.loss_scale), shrunk)
+        counter = select(grads_finite & ~grow, finite_steps, jnp.zeros_like(finite_steps))
         return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
 
 

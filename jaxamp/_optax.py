@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._finite import all_finite, select_tree
+from jaxamp._finite import all_finite, select, select_tree
 from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
 
@@ -62,7 +62,7 @@ class LossScalingState(NamedTuple):
 
 
 def _saturating_increment(count: jax.Array) -> jax.Array:
-    return jnp.where(count < _INT32_MAX, count + 1, count).astype(jnp.int32)
+    return select(count < _INT32_MAX, count + 1, count)
 
 
 def _is_float(x: Any) -> bool:
@@ -248,7 +248,13 @@ def loss_scaling(
                 f"init; got {type(state).__name__}."
             )
         grads = reduce_and_unscale(updates, state.loss_scale, accumulation_steps == 1)
-        finite = all_finite(grads)
+        if grad_reduction is None and _unscaling_keeps_finiteness(state.loss_scale):
+            # Check the raw grads: then the unscaling multiply fuses into the
+            # optimizer's kernels instead of being kept as one buffer per leaf
+            # for the check (fewer kernels to compile and run; BENCHMARKS.md).
+            finite = all_finite(updates)
+        else:
+            finite = all_finite(grads)
         if axis_name is not None:
             # A skip anywhere is a skip everywhere: min over the devices' flags.
             finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
@@ -317,14 +323,28 @@ def loss_scaling(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _unscaling_keeps_finiteness(loss_scale: Any) -> bool:
+    """Whether unscaling maps finite grads to finite grads, known from static config.
+
+    Unscaling multiplies by ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``:
+    a finite ``g`` stays finite (``|g * r| <= |g|``, also after rounding back to a
+    16-bit dtype) and inf or NaN stays non-finite (``inf * r`` is inf, or NaN if
+    ``r`` flushed to 0). So the raw grads are finite exactly when the unscaled
+    grads are. A static scale's value is array state, so it is not known here.
+    """
+    if isinstance(loss_scale, NoOpLossScale):
+        return True
+    return isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0
+
+
 def _next_state(state: LossScalingState, finite: jax.Array, inner_state: Any) -> LossScalingState:
     skipped = _saturating_increment(state.skipped_steps)
     consecutive = _saturating_increment(state.consecutive_skips)
     return LossScalingState(
         loss_scale=state.loss_scale.adjust(finite),
         inner_state=inner_state,
-        skipped_steps=jnp.where(finite, state.skipped_steps, skipped),
-        consecutive_skips=jnp.where(finite, jnp.zeros_like(consecutive), consecutive),
+        skipped_steps=select(finite, state.skipped_steps, skipped),
+        consecutive_skips=select(finite, jnp.zeros_like(consecutive), consecutive),
         accumulation=state.accumulation,
     )
 
