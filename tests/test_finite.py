@@ -53,6 +53,22 @@ def test_all_finite_groups_by_dtype_and_size(monkeypatch):
         assert not bool(jax.jit(jaxamp.all_finite)(broken)), i
 
 
+def test_all_finite_checks_large_leaves_on_their_own():
+    from jaxamp import _finite
+
+    big = _finite._OWN_REDUCTION_ELEMENTS
+    tree = [jnp.ones((big // 64, 64)), jnp.ones(7), jnp.ones(big + 1), jnp.ones(9)]
+    names = [e.primitive.name for e in jax.make_jaxpr(jaxamp.all_finite)(tree).eqns]
+    # The two large leaves are reduced where they are (no copy into a concatenation),
+    # the two small ones concatenated into one group; then one reduction of the flags.
+    assert names.count("concatenate") == 1
+    assert names.count("reduce_and") == 2 + 1 + 1
+    for i in range(len(tree)):
+        broken = list(tree)
+        broken[i] = tree[i].at[(0,) * tree[i].ndim].set(-jnp.inf)
+        assert not bool(jax.jit(jaxamp.all_finite)(broken)), i
+
+
 def test_select_tree_chooses_bitwise():
     a = {"x": jnp.array([1.0, jnp.nan]), "n": jnp.int32(1)}
     b = {"x": jnp.array([3.0, 4.0]), "n": jnp.int32(2)}
