@@ -9,7 +9,12 @@ meaningful on an accelerator.
 Ways to mixed_bfloat16:
 - ``layer_dtypes``: Flax layers built with ``policy.module_kwargs()`` (dtype=bf16, params f32);
 - ``policy_casting``: the float32 model applied to ``policy.cast_to_compute(params)``;
-- ``autocast``: ``jaxamp.autocast(loss, "mixed_bfloat16")`` on the float32 model's loss.
+- ``autocast``: ``jaxamp.autocast(loss, "mixed_bfloat16")`` on the float32 model's loss;
+- ``autocast_remat``: the same with ``remat_float32=True`` (float32 intermediates are
+  recomputed in the backward pass instead of saved).
+
+The run time of the compiled ``value_and_grad`` (median of ``--repeats`` calls) is
+recorded too: the price of the recomputation, on this backend.
 
     python -m benchmarks.activation_memory            # full run
     python -m benchmarks.activation_memory --smoke    # seconds
@@ -17,6 +22,8 @@ Ways to mixed_bfloat16:
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +72,11 @@ def _variants(config: _models.GPTConfig) -> dict[str, tuple[Callable | None, Any
             f32_params,
             "jaxamp.autocast(float32 loss, 'mixed_bfloat16')",
         )
+        variants["mixed_bf16_autocast_remat"] = (
+            jaxamp.autocast(f32_loss, policy, remat_float32=True),
+            f32_params,
+            "jaxamp.autocast(float32 loss, 'mixed_bfloat16', remat_float32=True)",
+        )
     else:
         variants["mixed_bf16_autocast"] = (None, None, "jaxamp.autocast is not available")
     return variants
@@ -97,7 +109,7 @@ def compiled_value_and_grad(loss: Callable, params: Any, batch: Any) -> tuple[An
     return compiled, {f: getattr(analysis, f, None) for f in fields}
 
 
-def run(config: _models.GPTConfig) -> list[dict[str, Any]]:
+def run(config: _models.GPTConfig, repeats: int = 10) -> list[dict[str, Any]]:
     batch = _models.gpt_batch(config)
     results = []
     for name, (loss, params, note) in _variants(config).items():
@@ -105,6 +117,11 @@ def run(config: _models.GPTConfig) -> list[dict[str, Any]]:
             results.append({"variant": name, "status": "not available", "note": note})
             continue
         compiled, memory = compiled_value_and_grad(loss, params, batch)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(params, batch))
+            times.append(time.perf_counter() - start)
         results.append(
             {
                 "variant": name,
@@ -113,6 +130,8 @@ def run(config: _models.GPTConfig) -> list[dict[str, Any]]:
                 "loss": float(compiled(params, batch)[0]),
                 "residual_bytes": residual_bytes(loss, params, batch),
                 "compiled_memory": memory,
+                "value_and_grad_seconds": times,
+                "value_and_grad_median_s": statistics.median(times),
             }
         )
     ref = next(r for r in results if r["variant"] == REFERENCE)
@@ -122,6 +141,7 @@ def run(config: _models.GPTConfig) -> list[dict[str, Any]]:
             r["temp_ratio"] = r["compiled_memory"]["temp_size_in_bytes"] / max(
                 1, ref["compiled_memory"]["temp_size_in_bytes"]
             )
+            r["time_ratio"] = r["value_and_grad_median_s"] / ref["value_and_grad_median_s"]
     return results
 
 
@@ -134,12 +154,14 @@ def table(results: list[dict[str, Any]]) -> str:
         "of which bf16 MiB",
         "compiled temp MiB",
         "x float32 (temp)",
+        "value_and_grad ms",
+        "x float32 (time)",
     ]
     mib = 1 / 2**20
     rows = []
     for r in results:
         if r["status"] != "ok":
-            rows.append([r["variant"], r["status"], "", "", "", "", ""])
+            rows.append([r["variant"], r["status"], "", "", "", "", "", "", ""])
             continue
         res = r["residual_bytes"]
         rows.append(
@@ -151,6 +173,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 res["by_dtype"].get("bfloat16", 0) * mib,
                 r["compiled_memory"]["temp_size_in_bytes"] * mib,
                 r["temp_ratio"],
+                r["value_and_grad_median_s"] * 1e3,
+                r["time_ratio"],
             ]
         )
     return _harness.format_table(headers, rows)
@@ -167,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             vocab=1024, seq=256, d_model=256, n_heads=8, d_ff=1024, n_layers=4, batch=8
         )
     with jax.numpy_dtype_promotion("standard"):
-        results = run(config)
+        results = run(config, repeats=2 if args.smoke else 10)
     print(table(results))
     described = {
         **config.__dict__,

@@ -24,6 +24,7 @@ __all__ = [
     "eqn_has_subjaxprs",
     "jit_parts",
     "literal_value",
+    "output_dtypes",
     "remat_parts",
     "scan_parts",
     "sub_closed_jaxprs",
@@ -52,6 +53,21 @@ def _bind_params(eqn: jex.JaxprEqn) -> dict:
             "Primitive.get_bind_params."
         )
     return params
+
+
+def output_dtypes(prim: Any, avals: Sequence[Any], params: dict) -> list[np.dtype] | None:
+    """The dtypes of what ``prim`` returns for inputs of these avals, or None if unknown.
+
+    ``Primitive.abstract_eval`` returns ``(out_aval or out_avals, effects)`` in jax 0.10.
+    """
+    try:
+        out = prim.abstract_eval(*avals, **params)
+    except Exception:  # a rule that needs more than avals (or none at all)
+        return None
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
+        out = out[0]
+    outs = out if prim.multiple_results else [out]
+    return [np.dtype(o.dtype) for o in outs if hasattr(o, "dtype")]
 
 
 def literal_value(atom: jex.Literal) -> Any:

@@ -86,6 +86,7 @@ def test_activation_memory_smoke(tmp_path):
         "mixed_bf16_layer_dtypes",
         "mixed_bf16_policy_casting",
         "mixed_bf16_autocast",
+        "mixed_bf16_autocast_remat",
     }
     f32 = results["float32"]
     assert f32["residual_bytes"]["by_dtype"].keys() <= {"float32", "int32", "bool"}
@@ -97,6 +98,10 @@ def test_activation_memory_smoke(tmp_path):
         if r["variant"] != "float32" and r["status"] == "ok":
             assert r["residual_bytes"]["by_dtype"]["bfloat16"] > 0
             assert r["residual_ratio"] < 1.0
+            assert len(r["value_and_grad_seconds"]) == 2
+    # Recomputing the float32 intermediates keeps fewer residual bytes.
+    remat = results["mixed_bf16_autocast_remat"]["residual_bytes"]
+    assert remat["total"] < results["mixed_bf16_autocast"]["residual_bytes"]["total"]
 
 
 def test_gpu_speed_smoke(tmp_path):
