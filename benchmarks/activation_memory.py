@@ -173,8 +173,9 @@ def table(results: list[dict[str, Any]]) -> str:
                 res["by_dtype"].get("bfloat16", 0) * mib,
                 r["compiled_memory"]["temp_size_in_bytes"] * mib,
                 r["temp_ratio"],
-                r["value_and_grad_median_s"] * 1e3,
-                r["time_ratio"],
+                # Runs recorded before the timing was added have none.
+                r["value_and_grad_median_s"] * 1e3 if "time_ratio" in r else "",
+                r.get("time_ratio", ""),
             ]
         )
     return _harness.format_table(headers, rows)

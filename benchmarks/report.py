@@ -10,10 +10,10 @@ from pathlib import Path
 
 from benchmarks import _harness, activation_memory, compile_scaling, gpu_speed, step_overhead
 
+# Result files are named <script>[_<suffix>].json (e.g. compile_scaling_gpt,
+# step_overhead_session1); the script's own table renders each.
 TABLES = {
     "compile_scaling": compile_scaling.table,
-    "compile_scaling_jaxamp_select": compile_scaling.table,
-    "compile_scaling_gpt": compile_scaling.table,
     "step_overhead": step_overhead.table,
     "activation_memory": activation_memory.table,
     "gpu_speed": gpu_speed.table,
@@ -36,17 +36,18 @@ def render(path: Path) -> str:
     if payload.get("status", "ok") != "ok":
         lines.append(f"Not run: {payload['status']}.")
     else:
-        lines.append(TABLES[path.stem](payload["results"]))
+        script = next(name for name in TABLES if path.stem.startswith(name))
+        lines.append(TABLES[script](payload["results"]))
         reasons = {r["reason"] for r in payload["results"] if r.get("status") == "skipped"}
         lines += [f"- skipped: {reason}" for reason in sorted(reasons)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    for stem in TABLES:
-        path = _harness.RESULTS_DIR / f"{stem}.json"
-        if path.exists():
-            print(render(path))
+    for script in TABLES:
+        for path in sorted(_harness.RESULTS_DIR.glob(f"{script}*.json")):
+            if not path.stem.endswith("_smoke"):
+                print(render(path))
 
 
 if __name__ == "__main__":

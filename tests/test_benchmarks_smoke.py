@@ -162,3 +162,16 @@ def test_loss_scaling_state_can_be_donated():
     state = step(step((params, tx.init(params))))
     assert int(jaxamp.loss_scaling_metrics(state[1])["skipped_steps"]) == 0
     assert float(state[0]["w"][0]) == pytest.approx(0.9**2)
+
+
+def test_report_renders_every_recorded_run(capsys):
+    from benchmarks import _harness, report
+
+    report.main()
+    printed = capsys.readouterr().out
+    recorded = [
+        p.stem for p in _harness.RESULTS_DIR.glob("*.json") if not p.stem.endswith("_smoke")
+    ]
+    assert recorded
+    for stem in recorded:
+        assert f"### {stem}\n" in printed, stem
