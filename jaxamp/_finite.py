@@ -2,12 +2,12 @@
 
 One reduction per leaf (jmp's and optax's pattern) is one more kernel per leaf
 for XLA to schedule, fuse and compile: with hundreds of leaves compile time
-grows with them (benchmarks/, BENCHMARKS.md). So leaves under 2**16 elements are flattened and concatenated, per dtype, into a few
-groups, each checked by one ``isfinite``-and-reduce. Larger leaves get a
-reduction of their own: a concatenation copies its operands (XLA:CPU with a
-slow elemental loop), and for the MLP of ``benchmarks/step_overhead`` checking
-four 256x256 weights through one concatenation cost 0.7 ms a step, one
-reduction each 0.07 ms.
+grows with them (benchmarks/, BENCHMARKS.md). So leaves under 2**16 elements
+are flattened and concatenated, per dtype, into a few groups, each checked by
+one ``isfinite``-and-reduce. Larger leaves get a reduction of their own: a
+concatenation copies its operands (XLA:CPU with a slow elemental loop), and for
+the MLP of ``benchmarks/step_overhead`` checking four 256x256 weights through
+one concatenation cost 0.7 ms a step, one reduction each 0.07 ms.
 """
 
 from __future__ import annotations
