@@ -253,6 +253,11 @@ def loss_scaling(
             # optimizer's kernels instead of being kept as one buffer per leaf
             # for the check (fewer kernels to compile and run; BENCHMARKS.md).
             finite = all_finite(updates)
+            if isinstance(state.loss_scale, DynamicLossScale):
+                # The scale stays in [min_loss_scale, max] by construction, unless
+                # it was built from an out-of-range array; then skip, and adjust()
+                # clamps it back up to min_loss_scale.
+                finite &= state.loss_scale.loss_scale >= 1.0
         else:
             finite = all_finite(grads)
         if axis_name is not None:

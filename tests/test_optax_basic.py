@@ -116,3 +116,22 @@ def test_state_can_be_donated_and_owns_its_arrays():
     step = jax.jit(tx.update, donate_argnums=(1,))
     _, state = step({"w": jnp.ones(2)}, state, params)
     assert float(tx.init(params).loss_scale.loss_scale) == 8.0 == float(ls.loss_scale)
+
+
+def test_out_of_range_scale_array_is_skipped_and_clamped_not_overflowed():
+    # The finite check reads the raw grads, valid while scale >= min_loss_scale >= 1.
+    # A scale array built below the minimum (not caught without a host sync) must not
+    # let an unscaled float16 gradient overflow into the optimizer.
+    tx = jaxamp.loss_scaling(optax.sgd(1.0), jaxamp.DynamicLossScale(loss_scale=2.0**15))
+    params = {"w": jnp.ones(2, jnp.float16)}
+    state = tx.init(params)
+    bad_scale = jaxamp.DynamicLossScale(loss_scale=jnp.float32(0.5))
+    assert float(bad_scale.loss_scale) == 0.5  # accepted: an array is not range-checked
+    state = state._replace(loss_scale=bad_scale)
+    grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}  # x 2 would overflow float16
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_array_equal(updates["w"], np.zeros(2, np.float16))
+    assert float(state.loss_scale.loss_scale) == 1.0  # clamped to min_loss_scale
+    assert int(state.skipped_steps) == 1
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_array_equal(updates["w"], -np.asarray(grads["w"]))
