@@ -248,17 +248,8 @@ def loss_scaling(
                 f"init; got {type(state).__name__}."
             )
         grads = reduce_and_unscale(updates, state.loss_scale, accumulation_steps == 1)
-        if grad_reduction is None and _unscaling_keeps_finiteness(state.loss_scale):
-            # Check the raw grads: then the unscaling multiply fuses into the
-            # optimizer's kernels instead of being kept as one buffer per leaf
-            # for the check (fewer kernels to compile and run; BENCHMARKS.md).
-            finite = all_finite(updates)
-            if isinstance(state.loss_scale, DynamicLossScale):
-                # The scale stays in [min_loss_scale, max] by construction, unless
-                # it was built from an out-of-range array; then skip, and adjust()
-                # clamps it back up to min_loss_scale.
-                finite &= state.loss_scale.loss_scale >= 1.0
-        else:
+        finite = None if grad_reduction is not None else _raw_finite(state.loss_scale, updates)
+        if finite is None:
             finite = all_finite(grads)
         if axis_name is not None:
             # A skip anywhere is a skip everywhere: min over the devices' flags.
@@ -286,7 +277,7 @@ def loss_scaling(
         # A non-finite micro-batch is left out of the sum so that nothing
         # non-finite outlives its window; the window is skipped anyway.
         grad_sum = jax.tree.map(
-            lambda s, g: None if s is None else jnp.where(finite, s + _wide(g), s),
+            lambda s, g: None if s is None else select(finite, s + _wide(g), s),
             acc.grad_sum,
             grads,
             is_leaf=lambda x: x is None,
@@ -310,16 +301,16 @@ def loss_scaling(
         held = LossScalingState(
             loss_scale=select_tree(end, stepped.loss_scale, state.loss_scale),
             inner_state=inner_state,
-            skipped_steps=jnp.where(end, stepped.skipped_steps, state.skipped_steps),
-            consecutive_skips=jnp.where(end, stepped.consecutive_skips, state.consecutive_skips),
+            skipped_steps=select(end, stepped.skipped_steps, state.skipped_steps),
+            consecutive_skips=select(end, stepped.consecutive_skips, state.consecutive_skips),
         )
         grad_sum = jax.tree.map(
-            lambda s: None if s is None else jnp.where(end, jnp.zeros_like(s), s),
+            lambda s: None if s is None else select(end, jnp.zeros_like(s), s),
             grad_sum,
             is_leaf=lambda x: x is None,
         )
         accumulation = AccumulationState(
-            mini_step=jnp.where(end, 0, acc.mini_step + 1).astype(jnp.int32),
+            mini_step=select(end, jnp.zeros_like(acc.mini_step), acc.mini_step + 1),
             window_finite=end | window_finite,
             grad_sum=grad_sum,
         )
@@ -328,18 +319,25 @@ def loss_scaling(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _unscaling_keeps_finiteness(loss_scale: Any) -> bool:
-    """Whether unscaling maps finite grads to finite grads, known from static config.
+def _raw_finite(loss_scale: Any, raw_grads: Any) -> jax.Array | None:
+    """``all_finite`` of the unscaled grads, read from the raw ones; None where it can't be.
 
-    Unscaling multiplies by ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``:
-    a finite ``g`` stays finite (``|g * r| <= |g|``, also after rounding back to a
-    16-bit dtype) and inf or NaN stays non-finite (``inf * r`` is inf, or NaN if
-    ``r`` flushed to 0). So the raw grads are finite exactly when the unscaled
-    grads are. A static scale's value is array state, so it is not known here.
+    Checking the raw grads lets the unscaling multiply fuse into the optimizer's
+    kernels instead of being kept as one buffer per leaf for the check (fewer
+    kernels to compile and run; BENCHMARKS.md). Unscaling multiplies by
+    ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``: a finite ``g`` stays
+    finite (``|g * r| <= |g|``, also after rounding back to a 16-bit dtype) and inf
+    or NaN stays non-finite (``inf * r`` is inf, or NaN if ``r`` flushed to 0).
+    A static scale's value is array state and may be below 1: not here.
     """
     if isinstance(loss_scale, NoOpLossScale):
-        return True
-    return isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0
+        return all_finite(raw_grads)
+    if isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0:
+        # The scale stays in [min_loss_scale, max] by construction, unless it was
+        # built from an out-of-range array; then skip, and adjust() clamps it back
+        # up to min_loss_scale.
+        return all_finite(raw_grads) & (loss_scale.loss_scale >= 1.0)
+    return None
 
 
 def _next_state(state: LossScalingState, finite: jax.Array, inner_state: Any) -> LossScalingState:
