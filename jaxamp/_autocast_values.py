@@ -15,14 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._casting import is_floating as is_float
+
 __all__ = ["ACTIVATION", "PINNED", "PLAIN", "aval", "cast", "is_float", "promote"]
 
 PLAIN, ACTIVATION, PINNED = 0, 1, 2
-
-
-def is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def cast(x: Any, dtype: np.dtype) -> Any:

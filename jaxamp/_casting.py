@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["canonical_float_dtype", "cast_floating"]
+__all__ = ["canonical_float_dtype", "cast_floating", "is_floating"]
 
 # Types whose leaves carry a dtype that casting may change. Tracers are jax.Array
 # instances, so this covers values inside jit/grad/vmap too.
@@ -49,6 +49,12 @@ def canonical_float_dtype(dtype: Any, argument: str) -> np.dtype:
             "complex values are never cast by jaxamp, so they cannot be a target."
         )
     return result
+
+
+def is_floating(x: Any) -> bool:
+    """Whether ``x`` has a real floating dtype (arrays, NumPy scalars, avals)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _check_x64(dtype: np.dtype) -> None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._casting import is_floating
 from jaxamp._finite import check_finite_flag, select
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
@@ -81,9 +82,9 @@ class _Scaling:
 
 
 def _apply(x: Any, loss_scale: jax.Array, op) -> Any:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    if not is_floating(x):
         return x  # integer, bool and float0 leaves are not scaled
+    dtype = x.dtype
     wide = jnp.dtype(jnp.float32) if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
     return op(jnp.asarray(x, wide), loss_scale.astype(wide)).astype(dtype)
 

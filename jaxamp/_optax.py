@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._casting import is_floating
 from jaxamp._finite import all_finite, select, select_tree
 from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
@@ -65,13 +66,9 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
     return select(count < _INT32_MAX, count + 1, count)
 
 
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _wide(x: Any) -> Any:
     """``x`` in float32 when it is a 16-bit float, else unchanged."""
-    if _is_float(x) and jnp.dtype(x.dtype).itemsize < 4:
+    if is_floating(x) and jnp.dtype(x.dtype).itemsize < 4:
         return x.astype(jnp.float32)
     return x
 
@@ -191,7 +188,7 @@ def loss_scaling(
                     "the gradient accumulator takes their shapes."
                 )
             grad_sum = jax.tree.map(
-                lambda p: jnp.zeros(jnp.shape(p), _wide(p).dtype) if _is_float(p) else None,
+                lambda p: jnp.zeros(jnp.shape(p), _wide(p).dtype) if is_floating(p) else None,
                 params,
             )
             accumulation = AccumulationState(zero(), jnp.asarray(True), grad_sum)
@@ -207,7 +204,7 @@ def loss_scaling(
         reduce = jax.lax.pmean if grad_reduction == "mean" else jax.lax.psum
 
         def one(g):
-            if not _is_float(g):
+            if not is_floating(g):
                 return g
             unscaled = scale.unscale(reduce(_wide(g), axis_name))
             return unscaled.astype(g.dtype) if keep_dtype else unscaled
