@@ -16,8 +16,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import _jaxpr_compat as compat
 from jaxamp._alignment import tensor_core_multiple
+from jaxamp._autocast._interpreter import walk
 
 __all__ = [
     "MatmulInfo",
@@ -202,8 +202,8 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
     )
 
 
-def _walk(jaxpr: jex.Jaxpr, count: int, op_dtypes: dict) -> Iterator[MatmulInfo]:
-    for eqn in jaxpr.eqns:
+def _matmuls(jaxpr: jex.Jaxpr, op_dtypes: dict) -> Iterator[MatmulInfo]:
+    for eqn, count in walk(jaxpr):
         name = eqn.primitive.name
         if name == "dot_general":
             yield _dot_info(eqn, count)
@@ -215,9 +215,6 @@ def _walk(jaxpr: jex.Jaxpr, count: int, op_dtypes: dict) -> Iterator[MatmulInfo]
                 if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
                     per_dtype = op_dtypes.setdefault(name, {})
                     per_dtype[np.dtype(dtype).name] = per_dtype.get(np.dtype(dtype).name, 0) + 1
-        inner = count * compat.scan_parts(eqn).length if name == "scan" else count
-        for sub in compat.sub_closed_jaxprs(eqn):
-            yield from _walk(sub.jaxpr, inner, op_dtypes)
 
 
 def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionReport:
@@ -239,7 +236,7 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
         raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
     closed = jax.make_jaxpr(fun)(*args, **kwargs)
     op_dtypes: dict[str, dict[str, int]] = {}
-    matmuls = tuple(_walk(closed.jaxpr, 1, op_dtypes))
+    matmuls = tuple(_matmuls(closed.jaxpr, op_dtypes))
     return PrecisionReport(matmuls, op_dtypes)
 
 

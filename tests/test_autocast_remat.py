@@ -69,7 +69,7 @@ def test_float32_compute_dtype_makes_it_a_no_op():
 
 
 def test_the_policy_saves_outputs_it_cannot_type():
-    from jaxamp._autocast_remat import save_narrow_values
+    from jaxamp._autocast._remat import save_narrow_values
 
     f32 = jax.core.ShapedArray((4,), jnp.float32)
     bf16 = jax.core.ShapedArray((4,), jnp.bfloat16)

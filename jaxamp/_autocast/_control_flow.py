@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import _jaxpr_compat as compat
-from jaxamp._autocast_values import PLAIN, aval, cast, is_float, promote
+from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._values import PLAIN, aval, cast, is_float, promote
 
 __all__ = ["HANDLERS"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxamp import _jaxpr_compat as compat
+from jaxamp._autocast import _compat as compat
 
 __all__ = ["save_narrow_values"]
 

@@ -19,8 +19,9 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from jaxamp import _jaxpr_compat as compat
 from jaxamp._alignment import align_dim
+from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._interpreter import eval_jaxpr
 
 __all__ = ["padded", "run_matmul"]
 
@@ -58,24 +59,13 @@ def _accumulating(prim: jex.Primitive, params: dict, x, w, dtype: np.dtype):
 
 def _eval_accumulating(closed: jex.ClosedJaxpr, args: list, dtype: np.dtype) -> list:
     """Evaluates a backward jaxpr, re-running its products with float32 accumulation."""
-    env: dict = {}
 
-    def read(atom):
-        return compat.literal_value(atom) if isinstance(atom, jex.Literal) else env[atom]
-
-    for var, const in zip(closed.jaxpr.constvars, closed.consts, strict=True):
-        env[var] = const
-    for var, arg in zip(closed.jaxpr.invars, args, strict=True):
-        env[var] = arg
-    for eqn in closed.jaxpr.eqns:
-        ins = [read(atom) for atom in eqn.invars]
+    def apply(eqn: jex.JaxprEqn, ins: list) -> list:
         if eqn.primitive.name in MATMUL_NAMES:
-            outs = [_accumulating(eqn.primitive, eqn.params, *ins, eqn.outvars[0].aval.dtype)]
-        else:
-            outs = compat.bind_eqn(eqn, ins)
-        for var, out in zip(eqn.outvars, outs, strict=True):
-            env[var] = out
-    return [read(atom) for atom in closed.jaxpr.outvars]
+            return [_accumulating(eqn.primitive, eqn.params, *ins, eqn.outvars[0].aval.dtype)]
+        return compat.bind_eqn(eqn, ins)
+
+    return eval_jaxpr(closed, args, apply)
 
 
 def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callable:

@@ -1,0 +1,75 @@
+"""The one jaxpr evaluation loop and the one jaxpr walk of jaxamp.
+
+``eval_jaxpr`` re-runs a closed jaxpr equation by equation under the caller's
+trace, handing each equation to an ``apply`` callback (autocast's rules, the
+float32-accumulating backward pass of a matmul, the numerics report's
+instruments). ``walk`` visits every equation without running anything,
+recursing into the jaxprs that higher-order primitives hold (``precision_report``
+and the rule-table checks use it).
+
+Values in the environment are whatever the caller uses (plain arrays, or
+``(value, role)`` pairs for autocast): ``lift`` turns a constant or a literal
+into one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax.extend.core as jex
+import numpy as np
+
+from jaxamp._autocast import _compat as compat
+
+__all__ = ["eval_jaxpr", "walk"]
+
+Apply = Callable[[jex.JaxprEqn, list[Any]], Sequence[Any]]
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def eval_jaxpr(
+    closed: jex.ClosedJaxpr,
+    args: Sequence[Any],
+    apply: Apply,
+    lift: Callable[[Any], Any] = _identity,
+) -> list[Any]:
+    """Evaluates ``closed`` on ``args``; ``apply(eqn, inputs)`` runs each equation.
+
+    Literals and closed-over constants enter the environment through ``lift``
+    (literals as NumPy arrays of their traced dtype, so they stay constants).
+    """
+    env: dict[jex.Var, Any] = {}
+
+    def read(atom: Any) -> Any:
+        if isinstance(atom, jex.Literal):
+            return lift(np.asarray(compat.literal_value(atom), atom.aval.dtype))
+        return env[atom]
+
+    jaxpr = closed.jaxpr
+    for var, const in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[var] = lift(const)
+    for var, arg in zip(jaxpr.invars, args, strict=True):
+        env[var] = arg
+    for eqn in jaxpr.eqns:
+        outs = apply(eqn, [read(atom) for atom in eqn.invars])
+        for var, out in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, jex.DropVar):
+                env[var] = out
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def walk(jaxpr: jex.Jaxpr, count: int = 1) -> Iterator[tuple[jex.JaxprEqn, int]]:
+    """Yields ``(eqn, times it runs)`` for every equation, sub-jaxprs included.
+
+    Equations in a scan body run ``length`` times per scan; a while body is
+    counted once (its trip count is not known statically).
+    """
+    for eqn in jaxpr.eqns:
+        yield eqn, count
+        inner = count * compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else count
+        for sub in compat.sub_closed_jaxprs(eqn):
+            yield from walk(sub.jaxpr, inner)
