@@ -8,11 +8,13 @@ this file so that a JAX upgrade touches one module. Written against jax 0.10.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
+import jax.extend.source_info_util as source_info
 import numpy as np
 
 __all__ = [
@@ -53,6 +55,22 @@ def _bind_params(eqn: jex.JaxprEqn) -> dict:
             "Primitive.get_bind_params."
         )
     return params
+
+
+@contextlib.contextmanager
+def equation_context(eqn: jex.JaxprEqn) -> Iterator[None]:
+    """Binds made inside carry ``eqn``'s source location, name stack and context.
+
+    The same as JAX's own ``eval_jaxpr``: the name stack is appended to the
+    current one, and the equation's context (``eqn.ctx``: compute type, XLA
+    metadata) is re-entered.
+    """
+    info = eqn.source_info
+    name_stack = source_info.current_name_stack() + info.name_stack
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", contextlib.nullcontext())
+    with source_info.user_context(info.traceback, name_stack=name_stack), manager:
+        yield
 
 
 def output_dtypes(prim: Any, avals: Sequence[Any], params: dict) -> list[np.dtype] | None:

@@ -39,8 +39,11 @@ def eval_jaxpr(
 ) -> list[Any]:
     """Evaluates ``closed`` on ``args``; ``apply(eqn, inputs)`` runs each equation.
 
-    Literals and closed-over constants enter the environment through ``lift``
-    (literals as NumPy arrays of their traced dtype, so they stay constants).
+    Each equation runs under its own source location and name stack, so the
+    equations it binds (and XLA metadata, profiles, error messages) name the
+    user's line rather than jaxamp's. Literals and closed-over constants enter
+    the environment through ``lift`` (literals as NumPy arrays of their traced
+    dtype, so they stay constants).
     """
     env: dict[jex.Var, Any] = {}
 
@@ -55,7 +58,8 @@ def eval_jaxpr(
     for var, arg in zip(jaxpr.invars, args, strict=True):
         env[var] = arg
     for eqn in jaxpr.eqns:
-        outs = apply(eqn, [read(atom) for atom in eqn.invars])
+        with compat.equation_context(eqn):
+            outs = apply(eqn, [read(atom) for atom in eqn.invars])
         for var, out in zip(eqn.outvars, outs, strict=True):
             if not isinstance(var, jex.DropVar):
                 env[var] = out
