@@ -14,7 +14,7 @@ def scaled_value_and_grad(
     loss_scale: Any,
     *,
     has_aux: bool = False,
-    argnums: int | tuple[int, ...] = 0,
+    argnums: int | tuple[int, ...] | None = None,
     value_and_grad: Any = jax.value_and_grad,
 ) -> Any:
     """``value_and_grad`` of ``loss_scale.scale(fun(...))``: the true loss, scaled grads.
@@ -26,7 +26,9 @@ def scaled_value_and_grad(
       fun: returns the scalar loss (or ``(loss, aux)`` with ``has_aux=True``).
       loss_scale: a jaxamp loss scale, e.g. ``jaxamp.get_loss_scale(opt_state)``.
       has_aux: as in ``jax.value_and_grad``.
-      argnums: as in ``jax.value_and_grad``.
+      argnums: as in ``jax.value_and_grad``; ``None`` (default) passes none, so
+        transforms without the argument (``equinox.filter_value_and_grad``)
+        work, and ``jax.value_and_grad`` differentiates the first argument.
       value_and_grad: the differentiation transform, e.g. ``flax.nnx.value_and_grad``
         for NNX modules.
 
@@ -49,7 +51,8 @@ def scaled_value_and_grad(
             return loss_scale.scale(out[0]), out[1]
         return loss_scale.scale(out)
 
-    grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=has_aux)
+    options = {} if argnums is None else {"argnums": argnums}
+    grad_fn = value_and_grad(scaled, has_aux=has_aux, **options)
 
     def wrapped(*args, **kwargs):
         value, grads = grad_fn(*args, **kwargs)

@@ -17,7 +17,15 @@ from jaxamp._autocast import _compat as compat
 from jaxamp._autocast._control_flow import HANDLERS
 from jaxamp._autocast._interpreter import eval_jaxpr
 from jaxamp._autocast._matmul import padded, run_matmul
-from jaxamp._autocast._values import ACTIVATION, PINNED, PLAIN, cast, is_float, promote
+from jaxamp._autocast._values import (
+    ACTIVATION,
+    PINNED,
+    PLAIN,
+    cast,
+    is_float,
+    promote,
+    saturating_cast,
+)
 from jaxamp._policy import Policy
 
 __all__ = ["Autocaster", "unknown_higher_order_message"]
@@ -74,7 +82,12 @@ class Autocaster:
                 groups.setdefault(np.dtype(atom.aval.dtype), []).append(i)
         return groups
 
-    def _follow(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+    def follow_values(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> tuple[list, int]:
+        """The operands of a "follow" equation brought to one dtype, and its role.
+
+        A plain operand (a parameter or constant) narrowed to an activation's
+        dtype saturates: a finite value stays finite.
+        """
         values = [v for v, _ in ins]
         for idxs in self._groups(eqn, ins).values():
             pinned = [ins[i][0].dtype for i in idxs if ins[i][1] == PINNED]
@@ -82,8 +95,12 @@ class Autocaster:
             if pinned or active:
                 target = promote(pinned + active)
                 for i in idxs:
-                    values[i] = cast(values[i], target)
-        role = max((r for v, r in ins if is_float(v)), default=PLAIN)
+                    to = saturating_cast if ins[i][1] == PLAIN else cast
+                    values[i] = to(values[i], target)
+        return values, max((r for v, r in ins if is_float(v)), default=PLAIN)
+
+    def _follow(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+        values, role = self.follow_values(eqn, ins)
         return [(o, role if is_float(o) else PLAIN) for o in compat.bind_eqn(eqn, values)]
 
     def _float32(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:

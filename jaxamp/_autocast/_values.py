@@ -17,7 +17,16 @@ import numpy as np
 
 from jaxamp._casting import is_floating as is_float
 
-__all__ = ["ACTIVATION", "PINNED", "PLAIN", "aval", "cast", "is_float", "promote"]
+__all__ = [
+    "ACTIVATION",
+    "PINNED",
+    "PLAIN",
+    "aval",
+    "cast",
+    "is_float",
+    "promote",
+    "saturating_cast",
+]
 
 PLAIN, ACTIVATION, PINNED = 0, 1, 2
 
@@ -28,6 +37,24 @@ def cast(x: Any, dtype: np.dtype) -> Any:
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x).astype(dtype)  # literals stay literals
     return jax.lax.convert_element_type(x, dtype)
+
+
+def saturating_cast(x: Any, dtype: np.dtype) -> Any:
+    """``cast``, except that finite values beyond ``dtype``'s range become its max.
+
+    For parameters and constants that follow an activation into the compute
+    dtype: a finite fill value such as ``jnp.finfo(jnp.float32).min`` (attention
+    masks) must stay finite, or a fully masked row computes -inf - (-inf) = NaN.
+    Infinities and NaN are kept as they are.
+    """
+    top = jnp.finfo(dtype).max
+    if x.dtype == dtype or jnp.finfo(x.dtype).max <= top:
+        return cast(x, dtype)
+    if isinstance(x, (np.ndarray, np.generic)):
+        x = np.asarray(x)
+        return np.where(np.isfinite(x), np.clip(x, -top, top), x).astype(dtype)
+    clipped = jax.lax.clamp(np.asarray(-top, x.dtype), x, np.asarray(top, x.dtype))
+    return jax.lax.select(jax.lax.is_finite(x), cast(clipped, dtype), cast(x, dtype))
 
 
 def promote(dtypes: Sequence[Any]) -> np.dtype:
