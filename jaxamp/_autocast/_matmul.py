@@ -30,30 +30,52 @@ MATMUL_NAMES = ("dot_general", "conv_general_dilated")
 
 
 def _canonical_dot(params: dict, x, w):
-    # Batched dots as (batch, free, contract) x (batch, contract, free). XLA:CPU has no
-    # bf16 x bf16 -> f32 kernel for some other layouts (e.g. the transposes JAX's
-    # autodiff produces for attention) and fails at run time; this form works, and
-    # the result layout (batch, lhs free, rhs free) is the same as the original's.
+    # (batch, free, contract) x (batch, contract, free): the layout XLA:CPU's
+    # YNNPACK kernel takes for bf16 x bf16 -> f32 (a rhs already laid out as
+    # (batch, free, contract) stays so). The result layout (batch, lhs free, rhs
+    # free) is the same as the original's because free dims keep their order.
     (lc, rc), (lb, rb) = params["dimension_numbers"]
-    if not lb:
-        return params, x, w
     lf = [d for d in range(x.ndim) if d not in (*lc, *lb)]
     rf = [d for d in range(w.ndim) if d not in (*rc, *rb)]
     lhs_perm, rhs_perm = (*lb, *lf, *lc), (*rb, *rc, *rf)
+    if (*rb, *rf, *rc) == tuple(range(w.ndim)):
+        rhs_perm = (*rb, *rf, *rc)
     if lhs_perm != tuple(range(x.ndim)):
         x = jax.lax.transpose(x, lhs_perm)
     if rhs_perm != tuple(range(w.ndim)):
         w = jax.lax.transpose(w, rhs_perm)
     nb, nf, nc = len(lb), len(lf), len(lc)
     batch = tuple(range(nb))
-    contract = (tuple(range(nb + nf, nb + nf + nc)), tuple(range(nb, nb + nc)))
+    rhs_contract = nb + len(rf) if rhs_perm == (*rb, *rf, *rc) else nb
+    contract = (tuple(range(nb + nf, nb + nf + nc)), tuple(range(rhs_contract, rhs_contract + nc)))
     return {**params, "dimension_numbers": (contract, (batch, batch))}, x, w
 
 
-def _accumulating(prim: jex.Primitive, params: dict, x, w, dtype: np.dtype):
+def _pinned(prim: jex.Primitive, params: dict, x, w):
+    """The XLA:CPU form of a 16-bit product with float32 accumulation.
+
+    XLA:CPU runs bf16 x bf16 -> f32 only in YNNPACK (canonical layouts, M, N > 1)
+    and upcasts the dots YNNPACK cannot take to float32 when it decides which is
+    which. Later passes may still fold a transpose (its own, or a gather's) into
+    an accepted dot; the result reaches the generic dot kernel, which has no
+    bf16 x bf16 -> f32 and fails at run time. The canonical layout plus an
+    optimization barrier on the operands leaves the dot exactly as emitted, so
+    the decision stays right: fast where YNNPACK runs it, float32 (the same
+    products, exact in float32) elsewhere. tests/test_autocast_cpu_dots.py holds
+    the forms that used to fail; BENCHMARKS.md the speed.
+    """
     if prim.name == "dot_general":
         params, x, w = _canonical_dot(params, x, w)
-    out = prim.bind(x, w, **{**params, "preferred_element_type": _F32})
+    x, w = jax.lax.optimization_barrier((x, w))
+    return prim.bind(x, w, **params)
+
+
+def _accumulating(prim: jex.Primitive, params: dict, x, w, dtype: np.dtype):
+    params = {**params, "preferred_element_type": _F32}
+    if jax.default_backend() == "cpu":
+        out = _pinned(prim, params, x, w)
+    else:  # GPU/TPU: the native 16-bit product, as written
+        out = prim.bind(x, w, **params)
     return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)
 
 
