@@ -17,6 +17,7 @@ from benchmarks import (
     _models,
     _variants,
     activation_memory,
+    autocast_cpu_speed,
     compile_scaling,
     gpu_speed,
     step_overhead,
@@ -102,6 +103,28 @@ def test_activation_memory_smoke(tmp_path):
     # Recomputing the float32 intermediates keeps fewer residual bytes.
     remat = results["mixed_bf16_autocast_remat"]["residual_bytes"]
     assert remat["total"] < results["mixed_bf16_autocast"]["residual_bytes"]["total"]
+
+
+def test_autocast_cpu_speed_smoke(tmp_path):
+    out = tmp_path / "cpu_speed.json"
+    autocast_cpu_speed.main(["--smoke", "--out", str(out)])
+    payload = _load(out)
+    assert set(payload["config"]["isa"]) <= set(autocast_cpu_speed.ISA_FLAGS)
+    results = {r["setup"]: r for r in payload["results"]}
+    assert set(results) == {"float32", "autocast_bfloat16", "bf16_layer_dtypes"}
+    assert results["float32"]["ratio_to_float32"] == 1.0
+    for r in results.values():
+        assert len(r["per_round_ms"]) == payload["config"]["rounds"]
+        assert _positive(r["median_ms"]) and _positive(r["ratio_to_float32"])
+    # The same initial weights and tokens: bf16 changes the loss only a little.
+    f32_loss = results["float32"]["loss"]
+    for r in results.values():
+        assert abs(r["loss"] - f32_loss) < 0.02 * abs(f32_loss)
+    # float32 compiles to float32 dots only; under autocast every dot keeps bf16 operands.
+    assert results["float32"]["bf16_dots"] == 0 and results["float32"]["f32_dots"] > 0
+    if jax.default_backend() == "cpu":
+        autocast = results["autocast_bfloat16"]
+        assert autocast["bf16_dots"] > 0 and autocast["f32_dots"] == 0
 
 
 def test_gpu_speed_smoke(tmp_path):
