@@ -8,7 +8,7 @@ import importlib as _importlib
 import importlib.util as _importlib_util
 
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
-from jaxamp._autocast import AUTOCAST_RULES, autocast
+from jaxamp._autocast import AUTOCAST_RULES, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -41,6 +41,7 @@ __all__ = [
     "PrecisionReport",
     "StaticLossScale",
     "TooManySkippedSteps",
+    "UnknownPrimitiveWarning",
     "__version__",
     "align_dim",
     "all_finite",

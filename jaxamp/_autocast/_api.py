@@ -15,7 +15,7 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._caster import Autocaster
 from jaxamp._autocast._control_flow import HANDLERS
 from jaxamp._autocast._remat import save_narrow_values
-from jaxamp._autocast._rules import AUTOCAST_RULES, RULE_KINDS
+from jaxamp._autocast._rules import AUTOCAST_RULES, MATMUL_PRIMITIVES, RULE_KINDS
 from jaxamp._autocast._values import PLAIN, cast, is_float
 from jaxamp._policy import Policy, get_policy
 
@@ -44,16 +44,7 @@ def _merge_rules(rules: Mapping | None) -> dict[str, Any]:
                 f"(e.g. 'exp'); got {type(key).__name__}: {key!r}."
             )
         if isinstance(rule, str):
-            if rule not in RULE_KINDS:
-                raise ValueError(
-                    f"rules[{name!r}] must be one of {', '.join(map(repr, RULE_KINDS))} "
-                    f"or a callable; got {rule!r}."
-                )
-            if rule == "recurse" and name not in HANDLERS:
-                raise ValueError(
-                    f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
-                    f"only for {', '.join(sorted(HANDLERS))}; use 'keep' or a callable."
-                )
+            _check_rule_kind(name, rule)
         elif not callable(rule):
             raise TypeError(
                 f"rules[{name!r}] must be a rule name or a callable "
@@ -61,6 +52,25 @@ def _merge_rules(rules: Mapping | None) -> dict[str, Any]:
             )
         table[name] = rule
     return table
+
+
+def _check_rule_kind(name: str, rule: str) -> None:
+    if rule not in RULE_KINDS:
+        raise ValueError(
+            f"rules[{name!r}] must be one of {', '.join(map(repr, RULE_KINDS))} "
+            f"or a callable; got {rule!r}."
+        )
+    if rule == "compute" and name not in MATMUL_PRIMITIVES:
+        raise ValueError(
+            f"rules[{name!r}] = 'compute' is for contractions, which exist only for "
+            f"{', '.join(MATMUL_PRIMITIVES)}; for an elementwise primitive use 'follow' "
+            "(or 'float32'), or a callable."
+        )
+    if rule == "recurse" and name not in HANDLERS:
+        raise ValueError(
+            f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
+            f"only for {', '.join(sorted(HANDLERS))}; use 'keep' or a callable."
+        )
 
 
 def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
@@ -122,9 +132,10 @@ def autocast(
     Returns:
       A function with ``fun``'s signature.
 
-    Raises:
-      NotImplementedError: ``fun`` uses a higher-order primitive with no rule;
-        the message names it and shows how to register one.
+    Warns:
+      UnknownPrimitiveWarning: ``fun`` uses a higher-order primitive with no
+        rule; it runs as traced, and the message names it and shows how to
+        register a rule.
 
     >>> import jax, jax.numpy as jnp, jaxamp
     >>> def layer(w, x):
