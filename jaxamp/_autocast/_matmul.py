@@ -58,7 +58,7 @@ def _accumulating(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *ext
     return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)
 
 
-def _eval_accumulating(closed: jex.ClosedJaxpr, args: list, dtype: np.dtype) -> list:
+def _eval_accumulating(closed: jex.ClosedJaxpr, args: list) -> list:
     """Evaluates a backward jaxpr, re-running its products with float32 accumulation."""
 
     def apply(eqn: jex.JaxprEqn, ins: list) -> list:
@@ -90,7 +90,7 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
             return dx, dw
 
         closed = jax.make_jaxpr(pullback)(x, w, extra, ct)
-        dx, dw = _eval_accumulating(closed, [x, w, *extra, ct], dtype)
+        dx, dw = _eval_accumulating(closed, [x, w, *extra, ct])
         return (dx, dw, *(None for _ in extra))
 
     matmul.defvjp(fwd, bwd)
