@@ -12,13 +12,13 @@ from jaxamp._autocast import AUTOCAST_RULES, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp._optax import (
+from jaxamp._loss_scaling_state import (
     AccumulationState,
     LossScalingState,
     get_loss_scale,
-    loss_scaling,
     loss_scaling_metrics,
 )
+from jaxamp._optax import loss_scaling
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._scaled_grad import scaled_value_and_grad
