@@ -1,7 +1,14 @@
 """jaxamp: mixed-precision training for JAX and Flax.
 
 Precision policies, dynamic loss scaling that skips non-finite steps, and
-Tensor Core alignment. See ``shared/API.md`` for the public contract.
+Tensor Core alignment. Every public name is listed in ``__all__`` and has a page
+in the API reference (``docs/api/``).
+
+``import jaxamp`` does not need flax. When flax is installed it imports
+``flax.serialization`` (only that), to register the loss scales with it, so
+``flax.serialization.to_bytes``/``from_bytes`` and orbax checkpoints keep their
+configuration without importing ``jaxamp.flax``. ``jaxamp.flax`` (the NNX and
+Linen adapters) loads on first use.
 """
 
 import importlib as _importlib
@@ -26,7 +33,8 @@ from jaxamp._skip_guard import TooManySkippedSteps
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
-    # The flax adapter registers loss scales with flax.serialization (it imports flax).
+    # Eager, so that a checkpoint restores the scale's configuration whether or not
+    # the user ever imported jaxamp.flax (flax has no hook to register lazily).
     _importlib.import_module("jaxamp._flax_serialization")
 
 __all__ = [
