@@ -3,7 +3,7 @@
 Every check raises where the user called jaxamp: a ``TypeError`` for the wrong
 kind of value, a ``ValueError`` for the right kind with a wrong value, with a
 full sentence naming the argument, what it got and what is valid.
-docs/errors.md lists the messages verbatim (tests/test_reliability_bad_input.py
+docs/errors.md lists the messages verbatim (tests/integration/test_reliability_bad_input.py
 keeps it in step), so the wording here is part of the contract.
 """
 
