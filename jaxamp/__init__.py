@@ -5,10 +5,10 @@ Tensor Core alignment. Every public name is listed in ``__all__`` and has a page
 in the API reference (``docs/api/``).
 
 ``import jaxamp`` does not need flax. When flax is installed it imports
-``flax.serialization`` (only that), to register the loss scales with it, so
-``flax.serialization.to_bytes``/``from_bytes`` and orbax checkpoints keep their
-configuration without importing ``jaxamp.flax``. ``jaxamp.flax`` (the NNX and
-Linen adapters) loads on first use.
+``flax.serialization`` (and so flax's package) for one purpose: to register the
+loss scales with it, so that ``flax.serialization.to_bytes``/``from_bytes`` and
+orbax checkpoints keep their configuration without importing ``jaxamp.flax``.
+``jaxamp.flax`` (the NNX and Linen adapters) loads on first use.
 """
 
 import importlib as _importlib

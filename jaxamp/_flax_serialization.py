@@ -1,7 +1,7 @@
 """Adapter: teaches ``flax.serialization`` to save every field of a loss scale.
 
-Imported by ``jaxamp/__init__.py`` whenever flax is installed (the only flax
-import of core jaxamp), so that ``flax.serialization`` and orbax checkpoints of
+Imported by ``jaxamp/__init__.py`` whenever flax is installed (core jaxamp's
+only use of flax), so that ``flax.serialization`` and orbax checkpoints of
 an optimizer state work without importing ``jaxamp.flax``. The state dict holds
 the array state and the static configuration, and restoring takes both from the
 saved state.
