@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._interpreter import walk
+from jaxamp._checks import check_callable
 
 __all__ = [
     "MatmulInfo",
@@ -253,8 +254,7 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     >>> report.flops_by_dtype, [m.aligned for m in report.matmuls]
     ({'float32': 3072}, [{'M': True, 'N': True, 'K': True}])
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     closed = jax.make_jaxpr(fun)(*args, **kwargs)
     op_dtypes: dict[str, dict[str, int]] = {}
     matmuls = tuple(_matmuls(closed.jaxpr, op_dtypes))

@@ -17,6 +17,7 @@ from jaxamp._autocast._control_flow import HANDLERS
 from jaxamp._autocast._remat import save_narrow_values
 from jaxamp._autocast._rules import AUTOCAST_RULES, MATMUL_PRIMITIVES, RULE_KINDS
 from jaxamp._autocast._values import PLAIN, cast, is_float
+from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["autocast"]
@@ -78,7 +79,7 @@ def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
         return None
     if pad_to == "auto":
         return tensor_core_multiple(policy.compute_dtype)
-    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
+    if not is_int(pad_to) or pad_to < 1:
         raise ValueError(
             f"pad_to must be None, 'auto' (jaxamp.tensor_core_multiple of the compute "
             f"dtype) or an int >= 1; got {pad_to!r}."
@@ -146,17 +147,12 @@ def autocast(
     >>> jaxamp.precision_report(jaxamp.autocast(layer), w, x).flops_by_dtype
     {'bfloat16': 48}
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     policy = get_policy(policy)
     table = _merge_rules(rules)
     multiple = _pad_multiple(pad_to, policy)
-    if not isinstance(remat_float32, (bool, np.bool_)):
-        raise TypeError(
-            f"remat_float32 must be True or False; got {type(remat_float32).__name__}: "
-            f"{remat_float32!r}."
-        )
-    remat = bool(remat_float32) and np.dtype(policy.compute_dtype).itemsize < 4
+    remat = check_bool(remat_float32, "remat_float32")
+    remat = remat and np.dtype(policy.compute_dtype).itemsize < 4
 
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):

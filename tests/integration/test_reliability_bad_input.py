@@ -15,7 +15,7 @@ import pytest
 import jaxamp
 from jaxamp.testing import inject_fault
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 
 def _traced(fn):

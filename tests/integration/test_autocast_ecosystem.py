@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests.helpers import bits, rel_err
 
 U_BF16 = 2.0**-8
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
@@ -23,14 +24,8 @@ W = jax.random.normal(jax.random.key(0), (8, 8), jnp.float32) * 0.3
 X = jax.random.normal(jax.random.key(1), (4, 8), jnp.float32)
 
 
-def _rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-
-
-def _bits_equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+def _same_bits(a, b):
+    assert bits(a) == bits(b)
 
 
 # -- 1. primitives whose rule names were not JAX's --------------------------------
@@ -51,10 +46,10 @@ def test_scatter_family_runs_in_the_compute_dtype(name):
     report = jaxamp.precision_report(jaxamp.autocast(fun), W, X)
     scatters = {k: v for k, v in report.op_dtypes.items() if k.startswith("scatter")}
     assert scatters and all(set(d) == {"bfloat16"} for d in scatters.values()), scatters
-    assert _rel_err(jax.jit(jaxamp.autocast(fun))(W, X), fun(W, X)) < 4 * U_BF16
+    assert rel_err(jax.jit(jaxamp.autocast(fun))(W, X), fun(W, X)) < 4 * U_BF16
     grads = jax.jit(jax.grad(lambda w: jaxamp.autocast(fun)(w, X).sum()))(W)
-    assert _rel_err(grads, jax.grad(lambda w: fun(w, X).sum())(W)) < 8 * U_BF16
-    _bits_equal(jaxamp.autocast(fun, "float32")(W, X), fun(W, X))
+    assert rel_err(grads, jax.grad(lambda w: fun(w, X).sum())(W)) < 8 * U_BF16
+    _same_bits(jaxamp.autocast(fun, "float32")(W, X), fun(W, X))
 
 
 def test_bincount_and_linalg_solve_run_also_under_float32():
@@ -62,10 +57,10 @@ def test_bincount_and_linalg_solve_run_also_under_float32():
     np.testing.assert_array_equal(count(jnp.array([0, 1, 1, 3])), [1, 2, 0, 1])
     a = jnp.eye(3) * 2.0 + 0.1
     b = jnp.arange(3.0)
-    _bits_equal(jaxamp.autocast(jnp.linalg.solve, "float32")(a, b), jnp.linalg.solve(a, b))
+    _same_bits(jaxamp.autocast(jnp.linalg.solve, "float32")(a, b), jnp.linalg.solve(a, b))
     # Under mixed_bfloat16 the solve runs as traced, in float32.
     solve = jaxamp.autocast(lambda a, b: jnp.linalg.solve(a @ a, b))
-    assert _rel_err(jax.jit(solve)(a, b), jnp.linalg.solve(a @ a, b)) < 8 * U_BF16
+    assert rel_err(jax.jit(solve)(a, b), jnp.linalg.solve(a @ a, b)) < 8 * U_BF16
 
 
 # -- 2. shard_map ------------------------------------------------------------------
@@ -90,10 +85,10 @@ def test_shard_map_body_is_rewritten_and_its_specs_stay_valid():
     ac = jaxamp.autocast(f)
     report = jaxamp.precision_report(ac, W, X)
     assert {m.operand_dtypes for m in report.matmuls} == {("bfloat16", "bfloat16")}
-    assert _rel_err(jax.jit(ac)(W, X), f(W, X)) < 4 * U_BF16
+    assert rel_err(jax.jit(ac)(W, X), f(W, X)) < 4 * U_BF16
     g = jax.jit(jax.grad(lambda w: ac(w, X).sum()))(W)
-    assert _rel_err(g, jax.grad(lambda w: f(w, X).sum())(W)) < 8 * U_BF16
-    _bits_equal(jax.jit(jaxamp.autocast(f, "float32"))(W, X), jax.jit(f)(W, X))
+    assert rel_err(g, jax.grad(lambda w: f(w, X).sum())(W)) < 8 * U_BF16
+    _same_bits(jax.jit(jaxamp.autocast(f, "float32"))(W, X), jax.jit(f)(W, X))
 
 
 # -- 4. source locations ------------------------------------------------------------
@@ -136,7 +131,7 @@ MASK = jnp.array([[True] * 8, [False] * 8, [True] * 4 + [False] * 4, [False] * 8
 def test_fully_masked_rows_stay_finite(policy, fill):
     f = _masked_softmax(np.float32(fill))
     got = jax.jit(jaxamp.autocast(f, policy))(W, X, MASK)
-    assert _rel_err(got, f(W, X, MASK)) < 4 * U_BF16
+    assert rel_err(got, f(W, X, MASK)) < 4 * U_BF16
     np.testing.assert_allclose(got[1], np.full(8, 1 / 8))
 
 
@@ -152,7 +147,7 @@ def test_dot_product_attention_with_padded_queries_trains(policy):
 
     want = jax.grad(loss)(W, q)
     got = jax.jit(jax.grad(jaxamp.autocast(loss, policy)))(W, q)
-    assert np.isfinite(np.asarray(got)).all() and _rel_err(got, want) < 16 * U_BF16
+    assert np.isfinite(np.asarray(got)).all() and rel_err(got, want) < 16 * U_BF16
     tx = jaxamp.loss_scaling(optax.sgd(1e-2), jaxamp.DynamicLossScale(2.0**8))
     state = tx.init(W)
 
@@ -198,13 +193,13 @@ def test_ragged_dot_is_a_matmul():
         ("ragged_dot_general", ("bfloat16", "bfloat16"), "float32")
     ]
     assert fwd.total_flops == 2 * 12 * 8 * 4
-    assert _rel_err(jax.jit(ac)(lhs, experts), f(lhs, experts)) < 4 * U_BF16
+    assert rel_err(jax.jit(ac)(lhs, experts), f(lhs, experts)) < 4 * U_BF16
     grad = jax.grad(lambda a, b: ac(a, b).sum(), (0, 1))
     back = jaxamp.precision_report(grad, lhs, experts)
     assert {m.operand_dtypes for m in back.matmuls} == {("bfloat16", "bfloat16")}
     want = jax.grad(lambda a, b: f(a, b).sum(), (0, 1))(lhs, experts)
     for got_g, want_g in zip(jax.jit(grad)(lhs, experts), want, strict=True):
-        assert _rel_err(got_g, want_g) < 4 * U_BF16
+        assert rel_err(got_g, want_g) < 4 * U_BF16
 
 
 # -- 7. special functions -----------------------------------------------------------
@@ -219,7 +214,7 @@ def test_probit_loss_keeps_the_tail_of_erf():
     w = jnp.zeros((8, 8))
     want = probit(w, x)  # -log(Phi(-4)) = 10.36 per row
     got = jaxamp.autocast(probit)(w, x)
-    assert np.isfinite(got) and _rel_err(got, want) < 4 * U_BF16
+    assert np.isfinite(got) and rel_err(got, want) < 4 * U_BF16
 
 
 # The criterion for the special functions in the float32 list: on some input of
@@ -264,8 +259,8 @@ def test_scaled_value_and_grad_with_equinox_filter_value_and_grad():
     )
     loss, grads = eqx.filter_jit(fn)(model, X[0])
     want_loss, want_grads = eqx.filter_value_and_grad(lambda m, x: m(x).sum())(model, X[0])
-    assert _rel_err(loss, want_loss) < 4 * U_BF16
-    assert _rel_err(grads.weight, 8.0 * want_grads.weight) < 4 * U_BF16
+    assert rel_err(loss, want_loss) < 4 * U_BF16
+    assert rel_err(grads.weight, 8.0 * want_grads.weight) < 4 * U_BF16
 
 
 # -- higher-order primitives autocast does not know -------------------------------
@@ -298,7 +293,7 @@ def test_unknown_higher_order_primitive_runs_as_traced_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = jaxamp.autocast(f, rules={"opaque_call": "keep"})(W, X)
-    assert _rel_err(out, f(W, X)) < 4 * U_BF16
+    assert rel_err(out, f(W, X)) < 4 * U_BF16
 
 
 def test_platform_dependent_keeps_one_branch_per_platform():
@@ -306,7 +301,7 @@ def test_platform_dependent_keeps_one_branch_per_platform():
         return jax.lax.platform_dependent(x @ w, cpu=jnp.tanh, default=jnp.sin)
 
     ac = jaxamp.autocast(f)
-    assert _rel_err(jax.jit(ac)(W, X), jnp.tanh(X @ W)) < 4 * U_BF16
+    assert rel_err(jax.jit(ac)(W, X), jnp.tanh(X @ W)) < 4 * U_BF16
     text = jax.jit(ac).lower(W, X).as_text()
     assert "tanh" in text and "sine" not in text
 
