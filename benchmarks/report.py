@@ -17,8 +17,8 @@ from benchmarks import (
     step_overhead,
 )
 
-# Result files are named <script>[_<suffix>].json (e.g. compile_scaling_gpt,
-# step_overhead_session1); the script's own table renders each.
+# Result files are named <script>[_<model>][_<date>_<commit>].json (e.g. compile_scaling_gpt,
+# step_overhead_2026-11-29_c6a15ad for an older run); the script's own table renders each.
 TABLES = {
     "compile_scaling": compile_scaling.table,
     "step_overhead": step_overhead.table,

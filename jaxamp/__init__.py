@@ -1,24 +1,31 @@
 """jaxamp: mixed-precision training for JAX and Flax.
 
 Precision policies, dynamic loss scaling that skips non-finite steps, and
-Tensor Core alignment. See ``shared/API.md`` for the public contract.
+Tensor Core alignment. Every public name is listed in ``__all__`` and has a page
+in the API reference (``docs/api/``).
+
+``import jaxamp`` does not need flax. When flax is installed it imports
+``flax.serialization`` (and so flax's package) for one purpose: to register the
+loss scales with it, so that ``flax.serialization.to_bytes``/``from_bytes`` and
+orbax checkpoints keep their configuration without importing ``jaxamp.flax``.
+``jaxamp.flax`` (the NNX and Linen adapters) loads on first use.
 """
 
 import importlib as _importlib
 import importlib.util as _importlib_util
 
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
-from jaxamp._autocast import AUTOCAST_RULES, autocast
+from jaxamp._autocast import AUTOCAST_RULES, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp._optax import (
+from jaxamp._loss_scaling_state import (
     AccumulationState,
     LossScalingState,
     get_loss_scale,
-    loss_scaling,
     loss_scaling_metrics,
 )
+from jaxamp._optax import loss_scaling
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._scaled_grad import scaled_value_and_grad
@@ -26,7 +33,8 @@ from jaxamp._skip_guard import TooManySkippedSteps
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
-    # The flax adapter registers loss scales with flax.serialization (it imports flax).
+    # Eager, so that a checkpoint restores the scale's configuration whether or not
+    # the user ever imported jaxamp.flax (flax has no hook to register lazily).
     _importlib.import_module("jaxamp._flax_serialization")
 
 __all__ = [
@@ -41,6 +49,7 @@ __all__ = [
     "PrecisionReport",
     "StaticLossScale",
     "TooManySkippedSteps",
+    "UnknownPrimitiveWarning",
     "__version__",
     "align_dim",
     "all_finite",

@@ -10,27 +10,17 @@ vocabulary or hidden size of a model is usually padded to 64 or 128.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._checks import check_python_int
+
 __all__ = ["align_dim", "pad_to_multiple", "tensor_core_multiple"]
 
 _FOUR_BIT = {"int4", "uint4", "float4_e2m1fn"}
-
-
-def _as_int(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
-        raise TypeError(f"{name} must be a Python int; got {type(value).__name__}: {value!r}.")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a Python int; got {type(value).__name__}: {value!r}."
-        ) from None
 
 
 def align_dim(n: int, multiple: int = 8) -> int:
@@ -44,8 +34,8 @@ def align_dim(n: int, multiple: int = 8) -> int:
       ValueError: ``n < 0`` or ``multiple < 1``.
       TypeError: either is not an integer.
     """
-    n = _as_int(n, "n")
-    multiple = _as_int(multiple, "multiple")
+    n = check_python_int(n, "n")
+    multiple = check_python_int(multiple, "multiple")
     if n < 0:
         raise ValueError(f"n must be >= 0; got {n}.")
     if multiple < 1:
@@ -66,8 +56,8 @@ def pad_to_multiple(x: Any, multiple: int, axis: int = -1, value: Any = 0) -> ja
       ValueError: ``multiple < 1`` or ``axis`` out of range.
     """
     x = jnp.asarray(x)
-    multiple = _as_int(multiple, "multiple")
-    axis = _as_int(axis, "axis")
+    multiple = check_python_int(multiple, "multiple")
+    axis = check_python_int(axis, "axis")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an array of shape {x.shape}.")
     axis %= x.ndim

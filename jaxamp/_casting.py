@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["canonical_float_dtype", "cast_floating", "is_floating"]
+__all__ = ["canonical_float_dtype", "cast_floating", "is_floating", "widen"]
 
 # Types whose leaves carry a dtype that casting may change. Tracers are jax.Array
 # instances, so this covers values inside jit/grad/vmap too.
@@ -55,6 +55,18 @@ def is_floating(x: Any) -> bool:
     """Whether ``x`` has a real floating dtype (arrays, NumPy scalars, avals)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def widen(x: Any) -> Any:
+    """``x`` in float32 when it is a float narrower than 32 bits, else unchanged.
+
+    Loss scaling multiplies, sums and all-reduces 16-bit gradients in float32, so
+    that neither a scale above float16's maximum nor a sum of micro-batches
+    overflows or loses the small values the scale protected.
+    """
+    if is_floating(x) and jnp.dtype(x.dtype).itemsize < 4:
+        return x.astype(jnp.float32)
+    return x
 
 
 def _check_x64(dtype: np.dtype) -> None:

@@ -2,12 +2,12 @@
 
 One reduction per leaf (jmp's and optax's pattern) is one more kernel per leaf
 for XLA to schedule, fuse and compile: with hundreds of leaves compile time
-grows with them (benchmarks/, BENCHMARKS.md). So leaves under 2**16 elements
-are flattened and concatenated, per dtype, into a few groups, each checked by
-one ``isfinite``-and-reduce. Larger leaves get a reduction of their own: a
-concatenation copies its operands (XLA:CPU with a slow elemental loop), and for
-the MLP of ``benchmarks/step_overhead`` checking four 256x256 weights through
-one concatenation cost 0.7 ms a step, one reduction each 0.07 ms.
+grows with them. So leaves under 2**16 elements are flattened and concatenated,
+per dtype, into a few groups, each checked by one ``isfinite``-and-reduce.
+Larger leaves get a reduction of their own: a concatenation copies its operands
+(XLA:CPU with a slow elemental loop), which costs more at run time than a
+reduction in place. The measurements: BENCHMARKS.md, "The finite check: small
+leaves concatenated, large ones in place".
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack(flags).all()
 
 
-# Leaves this large are checked on their own. Measured on CPU: a reduction per
-# leaf compiled 1.5x slower than one concatenation on a GPT whose leaves all had
-# under 2**15 elements; concatenating four 2**16-element weights cost 0.7 ms a step.
+# Leaves this large are checked on their own: below it a reduction per leaf costs
+# more compile time than the concatenation saves at run time, above it the copy
+# costs more (BENCHMARKS.md, "The finite check: small leaves concatenated, large
+# ones in place").
 _OWN_REDUCTION_ELEMENTS = 1 << 16
 
 # Elements per concatenated group: a concatenation is a copy (XLA:CPU does not
@@ -127,6 +128,7 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
 
     ``lax.select_n`` with the scalar predicate, not ``jnp.where``: ``jnp.where`` is
     a nested jit per call, and with one per leaf XLA's call inliner and call-graph
-    passes (and the lowering) grew with the leaf count (BENCHMARKS.md).
+    passes (and the lowering) grew with the leaf count (BENCHMARKS.md, "Compile time:
+    distinct kernels, and a select per leaf").
     """
     return jax.lax.select_n(pred, jnp.asarray(on_false), jnp.asarray(on_true))

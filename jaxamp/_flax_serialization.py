@@ -1,8 +1,10 @@
 """Adapter: teaches ``flax.serialization`` to save every field of a loss scale.
 
-Imported by ``jaxamp/__init__.py`` only when flax is installed; nothing else in
-jaxamp's core imports flax. The state dict holds the array state and the static
-configuration, and restoring takes both from the saved state.
+Imported by ``jaxamp/__init__.py`` whenever flax is installed (core jaxamp's
+only use of flax), so that ``flax.serialization`` and orbax checkpoints of
+an optimizer state work without importing ``jaxamp.flax``. The state dict holds
+the array state and the static configuration, and restoring takes both from the
+saved state.
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
             f"in the saved state (expected {sorted(fields)})."
         )
     values = {name: state.get(name, getattr(target, name)) for name in fields}
-    for name in ("growth_interval",):
-        if name in values:
-            values[name] = int(values[name])
+    if "growth_interval" in values:  # a checkpoint may hold a NumPy scalar
+        values["growth_interval"] = int(values["growth_interval"])
     return type(target)(**values)
 
 

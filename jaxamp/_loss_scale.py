@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating
+from jaxamp._casting import is_floating, widen
+from jaxamp._checks import check_int_in_range, check_static
 from jaxamp._finite import check_finite_flag, select
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _state_array(value: Any, dtype: Any, name: str, positive: bool) -> Any:
@@ -43,11 +43,7 @@ def _state_array(value: Any, dtype: Any, name: str, positive: bool) -> Any:
 
 
 def _static_float(value: Any, name: str) -> float:
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"{name} is static configuration and must be a Python number, not a "
-            f"traced value ({value}); pass it as a constant, outside jit."
-        )
+    check_static(value, name, "a Python number", show_value=True)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
         raise TypeError(f"{name} must be a Python float; got {type(value).__name__}: {value!r}.")
     value = float(value)
@@ -67,7 +63,7 @@ class _Scaling:
         16-bit leaves are multiplied in float32 and rounded back once, so a scale
         above float16's maximum does not overflow by itself.
         """
-        return jax.tree.map(lambda x: _apply(x, self.loss_scale, jnp.multiply), tree)
+        return jax.tree.map(lambda x: _multiply(x, self.loss_scale), tree)
 
     def unscale(self, tree: Any) -> Any:
         """Divides every floating leaf of ``tree`` by the loss scale.
@@ -75,18 +71,19 @@ class _Scaling:
         It multiplies by the scale's reciprocal, in (at least) float32, and each
         leaf keeps its dtype. For the power-of-two scales of DynamicLossScale this
         is exact; unlike a division, XLA can fuse the multiply into every consumer
-        of a gradient instead of keeping an extra buffer per leaf (BENCHMARKS.md).
+        of a gradient instead of keeping an extra buffer per leaf (BENCHMARKS.md,
+        "Compile time: distinct kernels, and a select per leaf").
         """
         reciprocal = 1 / self.loss_scale  # once, not once per leaf
-        return jax.tree.map(lambda x: _apply(x, reciprocal, jnp.multiply), tree)
+        return jax.tree.map(lambda x: _multiply(x, reciprocal), tree)
 
 
-def _apply(x: Any, loss_scale: jax.Array, op) -> Any:
+def _multiply(x: Any, factor: jax.Array) -> Any:
+    """``x * factor`` in at least float32, rounded back to ``x``'s dtype once."""
     if not is_floating(x):
         return x  # integer, bool and float0 leaves are not scaled
-    dtype = x.dtype
-    wide = jnp.dtype(jnp.float32) if jnp.dtype(dtype).itemsize < 4 else jnp.dtype(dtype)
-    return op(jnp.asarray(x, wide), loss_scale.astype(wide)).astype(dtype)
+    wide = jnp.asarray(widen(x))
+    return (wide * factor.astype(wide.dtype)).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,21 +169,8 @@ class DynamicLossScale(_Scaling):
     max_loss_scale: float = dataclasses.field(default=_FLOAT32_MAX, metadata={"static": True})
 
     def __post_init__(self):
-        growth_interval = self.growth_interval
-        if isinstance(growth_interval, jax.core.Tracer):
-            raise TypeError(
-                "growth_interval is static configuration and must be a Python int, "
-                "not a traced value; pass it as a constant, outside jit."
-            )
-        if isinstance(growth_interval, (bool, np.bool_)) or not isinstance(
-            growth_interval, (int, np.integer)
-        ):
-            raise TypeError(
-                f"growth_interval must be an int; got {type(growth_interval).__name__}: "
-                f"{growth_interval!r}."
-            )
-        if not 1 <= growth_interval <= _INT32_MAX:
-            raise ValueError(f"growth_interval must be in [1, 2**31 - 1]; got {growth_interval}.")
+        check_static(self.growth_interval, "growth_interval", "a Python int")
+        growth_interval = check_int_in_range(self.growth_interval, "growth_interval", "an int")
         growth = _static_float(self.growth_factor, "growth_factor")
         backoff = _static_float(self.backoff_factor, "backoff_factor")
         lo = _static_float(self.min_loss_scale, "min_loss_scale")
@@ -216,7 +200,7 @@ class DynamicLossScale(_Scaling):
         for name, value in (
             ("loss_scale", scale),
             ("counter", counter),
-            ("growth_interval", int(growth_interval)),
+            ("growth_interval", growth_interval),
             ("growth_factor", growth),
             ("backoff_factor", backoff),
             ("min_loss_scale", lo),

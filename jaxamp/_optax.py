@@ -2,75 +2,45 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxamp._casting import is_floating
+from jaxamp._casting import is_floating, widen
+from jaxamp._checks import is_int
 from jaxamp._finite import all_finite, select, select_tree
 from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling_state import AccumulationState, LossScalingState
 from jaxamp._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
 
-__all__ = [
-    "AccumulationState",
-    "LossScalingState",
-    "get_loss_scale",
-    "loss_scaling",
-    "loss_scaling_metrics",
-]
+__all__ = ["loss_scaling", "raw_grads_checkable"]
 
-_INT32_MAX = jnp.iinfo(jnp.int32).max
 _GRAD_REDUCTIONS = (None, "mean", "sum")
 
 
-class AccumulationState(NamedTuple):
-    """Gradient accumulation inside :func:`loss_scaling` (``accumulation_steps > 1``).
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """What :func:`loss_scaling` closes over: the validated options."""
 
-    Attributes:
-      mini_step: micro-batches accumulated so far in this window (int32).
-      window_finite: whether every micro-batch of this window was finite (bool).
-      grad_sum: the sum of this window's unscaled gradients, float32 for 16-bit
-        leaves (each leaf's own dtype otherwise).
-    """
-
-    mini_step: jax.Array
-    window_finite: jax.Array
-    grad_sum: Any
+    inner: optax.GradientTransformationExtraArgs
+    axis_name: str | tuple[str, ...] | None
+    grad_reduction: str | None
+    accumulation_steps: int
+    max_consecutive_skips: int | None
 
 
-class LossScalingState(NamedTuple):
-    """State of :func:`loss_scaling`.
-
-    Attributes:
-      loss_scale: the current loss scale (a jaxamp loss-scale pytree).
-      inner_state: the wrapped transformation's state.
-      skipped_steps: steps skipped so far (int32, saturates at 2**31 - 1); with
-        gradient accumulation a step is a whole window.
-      consecutive_skips: steps skipped in a row up to now (int32, saturating);
-        0 after a finite step.
-      accumulation: an :class:`AccumulationState` when ``accumulation_steps > 1``,
-        else ``None``.
-    """
-
-    loss_scale: Any
-    inner_state: Any
-    skipped_steps: jax.Array
-    consecutive_skips: jax.Array
-    accumulation: AccumulationState | None = None
-
-
-def _saturating_increment(count: jax.Array) -> jax.Array:
-    return select(count < _INT32_MAX, count + 1, count)
-
-
-def _wide(x: Any) -> Any:
-    """``x`` in float32 when it is a 16-bit float, else unchanged."""
-    if is_floating(x) and jnp.dtype(x.dtype).itemsize < 4:
-        return x.astype(jnp.float32)
-    return x
+def _check_loss_scale(loss_scale: Any) -> Any:
+    if loss_scale is None:
+        return DynamicLossScale()
+    if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+        raise TypeError(
+            "loss_scale must be a jaxamp.NoOpLossScale, StaticLossScale or "
+            f"DynamicLossScale; got {type(loss_scale).__name__}: {loss_scale!r}."
+        )
+    return loss_scale
 
 
 def _check_axis_name(axis_name: Any) -> None:
@@ -82,7 +52,18 @@ def _check_axis_name(axis_name: Any) -> None:
         )
 
 
-def _check_options(axis_name: Any, grad_reduction: Any, accumulation_steps: Any) -> None:
+def _make_config(
+    inner: Any,
+    axis_name: Any,
+    grad_reduction: Any,
+    accumulation_steps: Any,
+    max_consecutive_skips: Any,
+) -> _Config:
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
+            f"got {type(inner).__name__}: {inner!r}."
+        )
     _check_axis_name(axis_name)
     if grad_reduction not in _GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be None, 'mean' or 'sum'; got {grad_reduction!r}.")
@@ -91,12 +72,15 @@ def _check_options(axis_name: Any, grad_reduction: Any, accumulation_steps: Any)
             f"grad_reduction={grad_reduction!r} needs axis_name (the shard_map/pmap "
             "axis to reduce the gradients over); got axis_name=None."
         )
-    if (
-        isinstance(accumulation_steps, (bool, np.bool_))
-        or not isinstance(accumulation_steps, (int, np.integer))
-        or accumulation_steps < 1
-    ):
+    if not is_int(accumulation_steps) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an int >= 1; got {accumulation_steps!r}.")
+    return _Config(
+        inner=optax.with_extra_args_support(inner),
+        axis_name=axis_name,
+        grad_reduction=grad_reduction,
+        accumulation_steps=int(accumulation_steps),
+        max_consecutive_skips=check_max_consecutive_skips(max_consecutive_skips),
+    )
 
 
 def loss_scaling(
@@ -157,189 +141,254 @@ def loss_scaling(
     >>> updates["w"], float(jaxamp.get_loss_scale(state).loss_scale)
     (Array([0., 0.], dtype=float32), 2.0)
     """
-    if loss_scale is None:
-        loss_scale = DynamicLossScale()
-    if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
-        raise TypeError(
-            "loss_scale must be a jaxamp.NoOpLossScale, StaticLossScale or "
-            f"DynamicLossScale; got {type(loss_scale).__name__}: {loss_scale!r}."
-        )
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"got {type(inner).__name__}: {inner!r}."
-        )
-    _check_options(axis_name, grad_reduction, accumulation_steps)
-    max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
-    accumulation_steps = int(accumulation_steps)
-    inner = optax.with_extra_args_support(inner)
+    loss_scale = _check_loss_scale(loss_scale)
+    config = _make_config(
+        inner, axis_name, grad_reduction, accumulation_steps, max_consecutive_skips
+    )
 
     def init_fn(params):
-        # A fresh array per field: one array shared by two fields makes
-        # jax.jit(..., donate_argnums=...) fail with "donate the same buffer twice".
-        def zero():
-            return jnp.zeros((), jnp.int32)
-
         accumulation = None
-        if accumulation_steps > 1:
-            if params is None:
-                raise ValueError(
-                    "init(params) needs the params (not None) when accumulation_steps > 1: "
-                    "the gradient accumulator takes their shapes."
-                )
-            grad_sum = jax.tree.map(
-                lambda p: jnp.zeros(jnp.shape(p), _wide(p).dtype) if is_floating(p) else None,
-                params,
-            )
-            accumulation = AccumulationState(zero(), jnp.asarray(True), grad_sum)
-        # Copies too, so that donating the state never deletes the user's scale.
+        if config.accumulation_steps > 1:
+            accumulation = _init_accumulation(params)
+        # Copies, so that donating the state never deletes the user's scale.
         scale = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
-        return LossScalingState(scale, inner.init(params), zero(), zero(), accumulation)
-
-    def reduce_and_unscale(updates, scale, keep_dtype):
-        # keep_dtype=False keeps 16-bit grads in float32 after unscaling, so that
-        # the accumulator does not lose the small values the scale protected.
-        if grad_reduction is None:
-            return scale.unscale(updates if keep_dtype else jax.tree.map(_wide, updates))
-        reduce = jax.lax.pmean if grad_reduction == "mean" else jax.lax.psum
-
-        def one(g):
-            if not is_floating(g):
-                return g
-            unscaled = scale.unscale(reduce(_wide(g), axis_name))
-            return unscaled.astype(g.dtype) if keep_dtype else unscaled
-
-        return jax.tree.map(one, updates)
-
-    def apply_or_skip(grads, apply_flag, inner_state, params, extra_args, usually_applies=False):
-        def apply(operands):
-            grads, inner_state = operands
-            return inner.update(grads, inner_state, params, **extra_args)
-
-        if usually_applies:
-            # Skips are rare overflows: compute the update and select leaf by leaf.
-            # Measured (benchmarks/, BENCHMARKS.md): compiles faster than lax.cond at
-            # 1000 leaves, with less temp memory, and a GPU conditional reads its
-            # predicate back to the host every step where a select does not.
-            new_updates, new_inner_state = apply((grads, inner_state))
-            zeros = jax.tree.map(jnp.zeros_like, new_updates)
-            return (
-                select_tree(apply_flag, new_updates, zeros),
-                select_tree(apply_flag, new_inner_state, inner_state),
-            )
-        # Accumulation windows apply once per window: lax.cond skips the update's
-        # work on the other micro-steps.
-        out_shape = jax.eval_shape(apply, (grads, inner_state))
-
-        def skip(operands):
-            _, inner_state = operands
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape[0])
-            return zeros, inner_state
-
-        return jax.lax.cond(apply_flag, apply, skip, (grads, inner_state))
+        inner_state = config.inner.init(params)
+        return LossScalingState(scale, inner_state, _zero_count(), _zero_count(), accumulation)
 
     def update_fn(updates, state, params=None, **extra_args):
-        if not isinstance(state, LossScalingState):
-            raise TypeError(
-                "state must be the LossScalingState returned by this transformation's "
-                f"init; got {type(state).__name__}."
-            )
-        grads = reduce_and_unscale(updates, state.loss_scale, accumulation_steps == 1)
-        finite = None if grad_reduction is not None else _raw_finite(state.loss_scale, updates)
-        if finite is None:
-            finite = all_finite(grads)
-        if axis_name is not None:
-            # A skip anywhere is a skip everywhere: min over the devices' flags.
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
-        if accumulation_steps > 1:
-            new_updates, new_state = accumulate(grads, updates, finite, state, params, extra_args)
+        _check_state(state)
+        single = config.accumulation_steps == 1
+        grads = _unscale(updates, state.loss_scale, config, keep_dtype=single)
+        finite = _finite_flag(updates, grads, state.loss_scale, config)
+        if single:
+            new_updates, new_state = _step(config, grads, finite, state, params, extra_args)
         else:
-            new_updates, inner_state = apply_or_skip(
-                grads, finite, state.inner_state, params, extra_args, usually_applies=True
+            new_updates, new_state = _accumulate(
+                config, grads, updates, finite, state, params, extra_args
             )
-            new_state = _next_state(state, finite, inner_state)
-        if max_consecutive_skips is not None:
+        if config.max_consecutive_skips is not None:
             guard_consecutive_skips(
-                new_state.consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips
+                new_state.consecutive_skips,
+                new_state.loss_scale.loss_scale,
+                config.max_consecutive_skips,
             )
         return new_updates, new_state
-
-    def accumulate(grads, updates, finite, state, params, extra_args):
-        acc = state.accumulation
-        if acc is None:
-            raise TypeError(
-                "state has no AccumulationState: it was not made by the init of a "
-                "loss_scaling transformation with accumulation_steps > 1."
-            )
-        # A non-finite micro-batch is left out of the sum so that nothing
-        # non-finite outlives its window; the window is skipped anyway.
-        grad_sum = jax.tree.map(
-            lambda s, g: None if s is None else select(finite, s + _wide(g), s),
-            acc.grad_sum,
-            grads,
-            is_leaf=lambda x: x is None,
-        )
-        window_finite = acc.window_finite & finite
-        end = acc.mini_step == accumulation_steps - 1
-        # inner gets the window's mean in each grad's own dtype.
-        mean = jax.tree.map(
-            lambda s, g, u: g if s is None else (s / accumulation_steps).astype(u.dtype),
-            grad_sum,
-            grads,
-            updates,
-            is_leaf=lambda x: x is None,
-        )
-        new_updates, inner_state = apply_or_skip(
-            mean, end & window_finite, state.inner_state, params, extra_args
-        )
-        stepped = _next_state(state, window_finite, inner_state)
-        # Inside a window only the accumulator moves; at its end, the scale and
-        # the skip counters move once for the whole window.
-        held = LossScalingState(
-            loss_scale=select_tree(end, stepped.loss_scale, state.loss_scale),
-            inner_state=inner_state,
-            skipped_steps=select(end, stepped.skipped_steps, state.skipped_steps),
-            consecutive_skips=select(end, stepped.consecutive_skips, state.consecutive_skips),
-        )
-        grad_sum = jax.tree.map(
-            lambda s: None if s is None else select(end, jnp.zeros_like(s), s),
-            grad_sum,
-            is_leaf=lambda x: x is None,
-        )
-        accumulation = AccumulationState(
-            mini_step=select(end, jnp.zeros_like(acc.mini_step), acc.mini_step + 1),
-            window_finite=end | window_finite,
-            grad_sum=grad_sum,
-        )
-        return new_updates, held._replace(accumulation=accumulation)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _raw_finite(loss_scale: Any, raw_grads: Any) -> jax.Array | None:
-    """``all_finite`` of the unscaled grads, read from the raw ones; None where it can't be.
+def _zero_count() -> jax.Array:
+    # A fresh array per field: one array shared by two fields makes
+    # jax.jit(..., donate_argnums=...) fail with "donate the same buffer twice".
+    return jnp.zeros((), jnp.int32)
+
+
+def _init_accumulation(params: Any) -> AccumulationState:
+    if params is None:
+        raise ValueError(
+            "init(params) needs the params (not None) when accumulation_steps > 1: "
+            "the gradient accumulator takes their shapes."
+        )
+    grad_sum = jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), widen(p).dtype) if is_floating(p) else None,
+        params,
+    )
+    return AccumulationState(_zero_count(), jnp.asarray(True), grad_sum)
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, LossScalingState):
+        raise TypeError(
+            "state must be the LossScalingState returned by this transformation's "
+            f"init; got {type(state).__name__}."
+        )
+
+
+def _unscale(updates: Any, loss_scale: Any, config: _Config, *, keep_dtype: bool) -> Any:
+    """The unscaled grads, all-reduced first when ``config.grad_reduction`` asks.
+
+    ``keep_dtype=False`` keeps 16-bit grads in float32 after unscaling, so that the
+    accumulator does not lose the small values the scale protected.
+    """
+    if config.grad_reduction is None:
+        return loss_scale.unscale(updates if keep_dtype else jax.tree.map(widen, updates))
+    reduce = jax.lax.pmean if config.grad_reduction == "mean" else jax.lax.psum
+
+    def one(g):
+        if not is_floating(g):
+            return g
+        unscaled = loss_scale.unscale(reduce(widen(g), config.axis_name))
+        return unscaled.astype(g.dtype) if keep_dtype else unscaled
+
+    return jax.tree.map(one, updates)
+
+
+def raw_grads_checkable(loss_scale: Any, grad_reduction: str | None) -> bool:
+    """Whether the unscaled grads are finite exactly where the raw (scaled) ones are.
 
     Checking the raw grads lets the unscaling multiply fuse into the optimizer's
     kernels instead of being kept as one buffer per leaf for the check (fewer
-    kernels to compile and run; BENCHMARKS.md). Unscaling multiplies by
-    ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``: a finite ``g`` stays
-    finite (``|g * r| <= |g|``, also after rounding back to a 16-bit dtype) and inf
-    or NaN stays non-finite (``inf * r`` is inf, or NaN if ``r`` flushed to 0).
-    A static scale's value is array state and may be below 1: not here.
+    kernels to compile and run; BENCHMARKS.md, "Compile time: distinct kernels,
+    and a select per leaf"). Unscaling
+    multiplies by ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``: a finite
+    ``g`` stays finite (``|g * r| <= |g|``, also after rounding back to a 16-bit
+    dtype) and inf or NaN stays non-finite (``inf * r`` is inf, or NaN if ``r``
+    flushed to 0). A static scale's value is array state and may be below 1; a
+    reduced gradient is a different array from the raw one: neither qualifies.
     """
+    if grad_reduction is not None:
+        return False
     if isinstance(loss_scale, NoOpLossScale):
-        return all_finite(raw_grads)
-    if isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0:
+        return True
+    return isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0
+
+
+def _finite_flag(raw: Any, grads: Any, loss_scale: Any, config: _Config) -> jax.Array:
+    """One bool for the step: every grad finite (on every device with ``axis_name``)."""
+    if not raw_grads_checkable(loss_scale, config.grad_reduction):
+        finite = all_finite(grads)
+    elif isinstance(loss_scale, DynamicLossScale):
         # The scale stays in [min_loss_scale, max] by construction, unless it was
         # built from an out-of-range array; then skip, and adjust() clamps it back
         # up to min_loss_scale.
-        return all_finite(raw_grads) & (loss_scale.loss_scale >= 1.0)
-    return None
+        finite = all_finite(raw) & (loss_scale.loss_scale >= 1.0)
+    else:
+        finite = all_finite(raw)
+    if config.axis_name is not None:
+        # A skip anywhere is a skip everywhere: min over the devices' flags.
+        finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(bool)
+    return finite
+
+
+def _masked_update(
+    inner: Any, grads: Any, apply: jax.Array, inner_state: Any, params: Any, extra_args: Any
+) -> tuple[Any, Any]:
+    """``inner``'s update where ``apply`` holds, else zeros and the old state, by select.
+
+    For steps that usually apply (skips are rare overflows): computing the update
+    and selecting leaf by leaf compiles faster than ``lax.cond`` with many leaves,
+    needs less temporary memory, and a GPU conditional reads its predicate back to
+    the host every step where a select does not (BENCHMARKS.md, "Compile time:
+    distinct kernels, and a select per leaf").
+    """
+    new_updates, new_inner_state = inner.update(grads, inner_state, params, **extra_args)
+    zeros = jax.tree.map(jnp.zeros_like, new_updates)
+    return (
+        select_tree(apply, new_updates, zeros),
+        select_tree(apply, new_inner_state, inner_state),
+    )
+
+
+def _gated_update(
+    inner: Any, grads: Any, apply: jax.Array, inner_state: Any, params: Any, extra_args: Any
+) -> tuple[Any, Any]:
+    """``inner``'s update where ``apply`` holds, else zeros and the old state, by ``lax.cond``.
+
+    For steps that usually do not apply (an accumulation window applies once in
+    ``k`` micro-steps): the conditional skips the update's work on the others.
+    """
+
+    def run(operands):
+        grads, inner_state = operands
+        return inner.update(grads, inner_state, params, **extra_args)
+
+    out_shape = jax.eval_shape(run, (grads, inner_state))
+
+    def skip(operands):
+        _, inner_state = operands
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape[0])
+        return zeros, inner_state
+
+    return jax.lax.cond(apply, run, skip, (grads, inner_state))
+
+
+def _step(
+    config: _Config,
+    grads: Any,
+    finite: jax.Array,
+    state: LossScalingState,
+    params: Any,
+    extra_args: Any,
+) -> tuple[Any, LossScalingState]:
+    """One optimizer step without accumulation: apply if finite, then move the state."""
+    new_updates, inner_state = _masked_update(
+        config.inner, grads, finite, state.inner_state, params, extra_args
+    )
+    return new_updates, _next_state(state, finite, inner_state)
+
+
+def _accumulate(
+    config: _Config,
+    grads: Any,
+    raw: Any,
+    finite: jax.Array,
+    state: LossScalingState,
+    params: Any,
+    extra_args: Any,
+) -> tuple[Any, LossScalingState]:
+    """One micro-step of an accumulation window; the window's last one applies its mean."""
+    acc = state.accumulation
+    if acc is None:
+        raise TypeError(
+            "state has no AccumulationState: it was not made by the init of a "
+            "loss_scaling transformation with accumulation_steps > 1."
+        )
+    grad_sum = _add_finite(acc.grad_sum, grads, finite)
+    window_finite = acc.window_finite & finite
+    end = acc.mini_step == config.accumulation_steps - 1
+    mean = _window_mean(grad_sum, grads, raw, config.accumulation_steps)
+    new_updates, inner_state = _gated_update(
+        config.inner, mean, end & window_finite, state.inner_state, params, extra_args
+    )
+    stepped = _next_state(state, window_finite, inner_state)
+    # Inside a window only the accumulator moves; at its end, the scale and
+    # the skip counters move once for the whole window.
+    held = LossScalingState(
+        loss_scale=select_tree(end, stepped.loss_scale, state.loss_scale),
+        inner_state=inner_state,
+        skipped_steps=select(end, stepped.skipped_steps, state.skipped_steps),
+        consecutive_skips=select(end, stepped.consecutive_skips, state.consecutive_skips),
+    )
+    accumulation = AccumulationState(
+        mini_step=select(end, jnp.zeros_like(acc.mini_step), acc.mini_step + 1),
+        window_finite=end | window_finite,
+        grad_sum=_map_sum(lambda s: select(end, jnp.zeros_like(s), s), grad_sum),
+    )
+    return new_updates, held._replace(accumulation=accumulation)
+
+
+def _map_sum(fn: Any, grad_sum: Any, *rest: Any) -> Any:
+    """``fn`` over the accumulator's leaves; its ``None`` leaves (non-floating) stay."""
+    return jax.tree.map(
+        lambda s, *r: None if s is None else fn(s, *r), grad_sum, *rest, is_leaf=_is_none
+    )
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _add_finite(grad_sum: Any, grads: Any, finite: jax.Array) -> Any:
+    # A non-finite micro-batch is left out of the sum so that nothing
+    # non-finite outlives its window; the window is skipped anyway.
+    return _map_sum(lambda s, g: select(finite, s + widen(g), s), grad_sum, grads)
+
+
+def _window_mean(grad_sum: Any, grads: Any, raw: Any, steps: int) -> Any:
+    """The window's mean gradient in each raw grad's own dtype (non-floating grads pass)."""
+    return jax.tree.map(
+        lambda s, g, u: g if s is None else (s / steps).astype(u.dtype),
+        grad_sum,
+        grads,
+        raw,
+        is_leaf=_is_none,
+    )
 
 
 def _next_state(state: LossScalingState, finite: jax.Array, inner_state: Any) -> LossScalingState:
-    skipped = _saturating_increment(state.skipped_steps)
-    consecutive = _saturating_increment(state.consecutive_skips)
+    """The state after a step: scale adjusted, skip counters moved (saturating at int32 max)."""
+    skipped = optax.safe_increment(state.skipped_steps)
+    consecutive = optax.safe_increment(state.consecutive_skips)
     return LossScalingState(
         loss_scale=state.loss_scale.adjust(finite),
         inner_state=inner_state,
@@ -347,64 +396,3 @@ def _next_state(state: LossScalingState, finite: jax.Array, inner_state: Any) ->
         consecutive_skips=select(finite, jnp.zeros_like(consecutive), consecutive),
         accumulation=state.accumulation,
     )
-
-
-def _find_states(opt_state: Any) -> list[LossScalingState]:
-    def is_leaf(x):
-        return isinstance(x, LossScalingState)
-
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_leaf) if is_leaf(x)]
-
-
-def _find_state(opt_state: Any) -> LossScalingState:
-    found = _find_states(opt_state)
-    if not found:
-        raise ValueError(
-            "no jaxamp loss-scaling state found in opt_state "
-            f"({type(opt_state).__name__}); build the optimizer with "
-            "jaxamp.loss_scaling(inner) and pass its state (or a state that contains it)."
-        )
-    if len(found) > 1:
-        raise ValueError(f"opt_state holds {len(found)} loss-scaling states; expected exactly one.")
-    return _unwrap_variables(found[0])
-
-
-def _unwrap_variables(state: LossScalingState) -> LossScalingState:
-    # flax.nnx.Optimizer wraps each array of its opt_state in a Variable; give
-    # users plain arrays back without importing flax.
-    # Duck typing on the class, so that no deprecated property is touched.
-    def is_variable(x):
-        return callable(getattr(type(x), "get_value", None)) and not isinstance(x, jax.Array)
-
-    def unwrap(x):
-        return x.get_value() if is_variable(x) else x
-
-    return jax.tree.map(unwrap, state, is_leaf=is_variable)
-
-
-def get_loss_scale(opt_state: Any) -> Any:
-    """The loss scale inside ``opt_state``, however deeply it is nested.
-
-    Works for the state of ``jaxamp.loss_scaling`` itself and for any state that
-    contains it (``optax.chain``, ``optax.MultiSteps``, ``inject_hyperparams``,
-    tuples and dicts, ``flax.nnx.Optimizer.opt_state``).
-
-    Raises:
-      ValueError: ``opt_state`` contains no loss-scaling state, or several.
-    """
-    return _find_state(opt_state).loss_scale
-
-
-def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Scalars to log: the loss scale and counts of skipped steps.
-
-    Returns a dict with ``loss_scale`` (float32), ``skipped_steps`` and
-    ``consecutive_skips`` (int32), and ``last_step_skipped`` (bool).
-    """
-    state = _find_state(opt_state)
-    return {
-        "loss_scale": state.loss_scale.loss_scale,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-        "last_step_skipped": state.consecutive_skips > 0,
-    }

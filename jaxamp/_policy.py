@@ -87,7 +87,6 @@ class Policy:
         return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
 
 
-_DTYPE_NAMES = DTYPE_ALIASES
 _KEYS = {
     "p": "param",
     "param": "param",
@@ -111,7 +110,7 @@ def _bad_spec(spec: str, why: str) -> ValueError:
         f"invalid policy spec {spec!r}: {why}. Valid forms: a preset "
         f"({', '.join(_PRESETS)}), a bare dtype name, or comma-separated "
         f"key=dtype pairs such as 'params=float32,compute=bfloat16,output=float32' "
-        f"with keys {'|'.join(_KEYS)} and dtypes {'|'.join(_DTYPE_NAMES)}."
+        f"with keys {'|'.join(_KEYS)} and dtypes {'|'.join(DTYPE_ALIASES)}."
     )
 
 
@@ -119,8 +118,8 @@ def _parse(spec: str) -> Policy:
     text = spec.strip().lower().replace(" ", "")
     if text in _PRESETS:
         return Policy(*_PRESETS[text])
-    if text in _DTYPE_NAMES:
-        return Policy(*[_DTYPE_NAMES[text]] * 3)
+    if text in DTYPE_ALIASES:
+        return Policy(*[DTYPE_ALIASES[text]] * 3)
     chosen: dict[str, str] = {}
     for part in text.split(","):
         key, sep, name = part.partition("=")
@@ -128,11 +127,11 @@ def _parse(spec: str) -> Policy:
             raise _bad_spec(spec, f"{part!r} is neither a preset, a dtype nor key=dtype")
         if key not in _KEYS:
             raise _bad_spec(spec, f"unknown key {key!r}")
-        if name not in _DTYPE_NAMES:
+        if name not in DTYPE_ALIASES:
             raise _bad_spec(spec, f"unknown dtype {name!r}")
         if _KEYS[key] in chosen:
             raise _bad_spec(spec, f"{_KEYS[key]} is given twice")
-        chosen[_KEYS[key]] = _DTYPE_NAMES[name]
+        chosen[_KEYS[key]] = DTYPE_ALIASES[name]
     # jmp's defaults: params float32, compute = params, output = compute.
     param = chosen.get("param", "float32")
     compute = chosen.get("compute", param)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._interpreter import walk
+from jaxamp._checks import check_callable
 
 __all__ = [
     "MatmulInfo",
@@ -33,7 +34,8 @@ class MatmulInfo:
     """One matmul-like equation of the traced function.
 
     Attributes:
-      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      primitive: ``"dot_general"``, ``"conv_general_dilated"`` or
+        ``"ragged_dot_general"`` (``jax.lax.ragged_dot``, mixture of experts).
       lhs_shape, rhs_shape, out_shape: operand and result shapes.
       operand_dtypes: dtypes of the two operands (names).
       accumulation_dtype: ``preferred_element_type`` if set, else the result dtype.
@@ -117,7 +119,7 @@ class PrecisionReport:
             dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
             rows.append(
                 (
-                    "dot" if m.primitive == "dot_general" else "conv",
+                    _OP_NAMES[m.primitive],
                     "x".join(map(str, m.lhs_shape)),
                     "x".join(map(str, m.rhs_shape)),
                     "/".join(_short(d) for d in m.operand_dtypes),
@@ -150,6 +152,7 @@ def _si(n: int) -> str:
     return str(n)
 
 
+_OP_NAMES = {"dot_general": "dot", "conv_general_dilated": "conv", "ragged_dot_general": "ragged"}
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
 
 
@@ -163,6 +166,20 @@ def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     batch = math.prod(lhs.shape[d] for d in lb)
     m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
     n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in (*rc, *rb))
+    k = math.prod(lhs.shape[d] for d in lc)
+    return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+
+
+def _ragged_dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+    # Each lhs row meets one group's weights: the FLOPs of a dot with K x N
+    # weights, however many groups there are.
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
+    batch = math.prod(lhs.shape[d] for d in lb)
+    m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
+    skip = (*rc, *rb, *numbers.rhs_group_dimensions)
+    n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in skip)
     k = math.prod(lhs.shape[d] for d in lc)
     return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
 
@@ -202,13 +219,18 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
     )
 
 
+_MATMUL_INFO = {
+    "dot_general": _dot_info,
+    "conv_general_dilated": _conv_info,
+    "ragged_dot_general": _ragged_dot_info,
+}
+
+
 def _matmuls(jaxpr: jex.Jaxpr, op_dtypes: dict) -> Iterator[MatmulInfo]:
     for eqn, count in walk(jaxpr):
         name = eqn.primitive.name
-        if name == "dot_general":
-            yield _dot_info(eqn, count)
-        elif name == "conv_general_dilated":
-            yield _conv_info(eqn, count)
+        if name in _MATMUL_INFO:
+            yield _MATMUL_INFO[name](eqn, count)
         else:
             for var in eqn.outvars:
                 dtype = getattr(var.aval, "dtype", None)
@@ -232,8 +254,7 @@ def precision_report(fun: Callable, *args: Any, **kwargs: Any) -> PrecisionRepor
     >>> report.flops_by_dtype, [m.aligned for m in report.matmuls]
     ({'float32': 3072}, [{'M': True, 'N': True, 'K': True}])
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     closed = jax.make_jaxpr(fun)(*args, **kwargs)
     op_dtypes: dict[str, dict[str, int]] = {}
     matmuls = tuple(_matmuls(closed.jaxpr, op_dtypes))

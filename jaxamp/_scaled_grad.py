@@ -6,6 +6,8 @@ from typing import Any
 
 import jax
 
+from jaxamp._checks import check_callable
+
 __all__ = ["scaled_value_and_grad"]
 
 
@@ -37,8 +39,7 @@ def scaled_value_and_grad(
     >>> f(jnp.array([1.0, 2.0]))
     (Array(5., dtype=float32), Array([16., 32.], dtype=float32))
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     if not hasattr(loss_scale, "scale") or not hasattr(loss_scale, "unscale"):
         raise TypeError(
             "loss_scale must be a jaxamp loss scale such as jaxamp.get_loss_scale(opt_state); "

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
+
+from jaxamp._checks import check_int_in_range
 
 __all__ = ["TooManySkippedSteps", "check_max_consecutive_skips", "guard_consecutive_skips"]
 
@@ -29,14 +30,7 @@ def check_max_consecutive_skips(value: Any) -> int | None:
     """Validates the ``max_consecutive_skips`` option of ``loss_scaling``."""
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(
-            f"max_consecutive_skips must be None or an int >= 1; got "
-            f"{type(value).__name__}: {value!r}."
-        )
-    if not 1 <= value <= np.iinfo(np.int32).max:
-        raise ValueError(f"max_consecutive_skips must be in [1, 2**31 - 1]; got {value}.")
-    return int(value)
+    return check_int_in_range(value, "max_consecutive_skips", "None or an int >= 1")
 
 
 def _raise(consecutive: Any, loss_scale: Any, limit: int) -> None:

@@ -15,8 +15,9 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._caster import Autocaster
 from jaxamp._autocast._control_flow import HANDLERS
 from jaxamp._autocast._remat import save_narrow_values
-from jaxamp._autocast._rules import AUTOCAST_RULES, RULE_KINDS
+from jaxamp._autocast._rules import AUTOCAST_RULES, MATMUL_PRIMITIVES, RULE_KINDS
 from jaxamp._autocast._values import PLAIN, cast, is_float
+from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["autocast"]
@@ -44,16 +45,7 @@ def _merge_rules(rules: Mapping | None) -> dict[str, Any]:
                 f"(e.g. 'exp'); got {type(key).__name__}: {key!r}."
             )
         if isinstance(rule, str):
-            if rule not in RULE_KINDS:
-                raise ValueError(
-                    f"rules[{name!r}] must be one of {', '.join(map(repr, RULE_KINDS))} "
-                    f"or a callable; got {rule!r}."
-                )
-            if rule == "recurse" and name not in HANDLERS:
-                raise ValueError(
-                    f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
-                    f"only for {', '.join(sorted(HANDLERS))}; use 'keep' or a callable."
-                )
+            _check_rule_kind(name, rule)
         elif not callable(rule):
             raise TypeError(
                 f"rules[{name!r}] must be a rule name or a callable "
@@ -63,12 +55,31 @@ def _merge_rules(rules: Mapping | None) -> dict[str, Any]:
     return table
 
 
+def _check_rule_kind(name: str, rule: str) -> None:
+    if rule not in RULE_KINDS:
+        raise ValueError(
+            f"rules[{name!r}] must be one of {', '.join(map(repr, RULE_KINDS))} "
+            f"or a callable; got {rule!r}."
+        )
+    if rule == "compute" and name not in MATMUL_PRIMITIVES:
+        raise ValueError(
+            f"rules[{name!r}] = 'compute' is for contractions, which exist only for "
+            f"{', '.join(MATMUL_PRIMITIVES)}; for an elementwise primitive use 'follow' "
+            "(or 'float32'), or a callable."
+        )
+    if rule == "recurse" and name not in HANDLERS:
+        raise ValueError(
+            f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
+            f"only for {', '.join(sorted(HANDLERS))}; use 'keep' or a callable."
+        )
+
+
 def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
     if pad_to is None:
         return None
     if pad_to == "auto":
         return tensor_core_multiple(policy.compute_dtype)
-    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)) or pad_to < 1:
+    if not is_int(pad_to) or pad_to < 1:
         raise ValueError(
             f"pad_to must be None, 'auto' (jaxamp.tensor_core_multiple of the compute "
             f"dtype) or an int >= 1; got {pad_to!r}."
@@ -122,9 +133,10 @@ def autocast(
     Returns:
       A function with ``fun``'s signature.
 
-    Raises:
-      NotImplementedError: ``fun`` uses a higher-order primitive with no rule;
-        the message names it and shows how to register one.
+    Warns:
+      UnknownPrimitiveWarning: ``fun`` uses a higher-order primitive with no
+        rule; it runs as traced, and the message names it and shows how to
+        register a rule.
 
     >>> import jax, jax.numpy as jnp, jaxamp
     >>> def layer(w, x):
@@ -135,17 +147,12 @@ def autocast(
     >>> jaxamp.precision_report(jaxamp.autocast(layer), w, x).flops_by_dtype
     {'bfloat16': 48}
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     policy = get_policy(policy)
     table = _merge_rules(rules)
     multiple = _pad_multiple(pad_to, policy)
-    if not isinstance(remat_float32, (bool, np.bool_)):
-        raise TypeError(
-            f"remat_float32 must be True or False; got {type(remat_float32).__name__}: "
-            f"{remat_float32!r}."
-        )
-    remat = bool(remat_float32) and np.dtype(policy.compute_dtype).itemsize < 4
+    remat = check_bool(remat_float32, "remat_float32")
+    remat = remat and np.dtype(policy.compute_dtype).itemsize < 4
 
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):

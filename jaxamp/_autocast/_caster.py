@@ -6,6 +6,7 @@ and how each rule kind treats them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from jaxamp._autocast._values import (
 )
 from jaxamp._policy import Policy
 
-__all__ = ["Autocaster", "unknown_higher_order_message"]
+__all__ = ["Autocaster", "UnknownPrimitiveWarning", "unknown_higher_order_message"]
 
 _F32 = np.dtype(np.float32)
 
@@ -61,9 +62,10 @@ class Autocaster:
         name = eqn.primitive.name
         rule = self.rules.get(name)
         if rule is None:
-            if compat.eqn_has_subjaxprs(eqn):
-                raise NotImplementedError(unknown_higher_order_message(name))
             rule = "follow"
+            if compat.eqn_has_subjaxprs(eqn):
+                warnings.warn(unknown_higher_order_message(name), UnknownPrimitiveWarning, 2)
+                rule = "keep"
         if callable(rule):
             return self._custom(rule, eqn, ins)
         if rule == "recurse":
@@ -132,16 +134,15 @@ class Autocaster:
         return [(out, ACTIVATION if out.dtype == self.compute_dtype else PINNED)]
 
     def _compute(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        (lhs, _), (rhs, _) = ins[0], ins[1]
-        if len(ins) != 2 or not (is_float(lhs) and is_float(rhs)):
+        (lhs, _), (rhs, _), *rest = ins
+        if not (is_float(lhs) and is_float(rhs)):
             return self._follow(eqn, ins)
         lhs, rhs = cast(lhs, self.compute_dtype), cast(rhs, self.compute_dtype)
-        multiple = self.pad_to
-        if multiple is not None:
-            lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, multiple)
-        else:
-            unpad = None
-        out = run_matmul(eqn, lhs, rhs, self.compute_dtype)
+        unpad = None
+        if self.pad_to is not None:
+            lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, self.pad_to)
+        extra = [v for v, _ in rest]
+        out = run_matmul(eqn, lhs, rhs, *extra, dtype=self.compute_dtype)
         if unpad is not None:
             out = unpad(out)
         return [(out, ACTIVATION)]
@@ -187,13 +188,18 @@ def _plain(value: Any) -> tuple:
     return value, PLAIN
 
 
+class UnknownPrimitiveWarning(UserWarning):
+    """autocast met a higher-order primitive with no rule and ran it as traced."""
+
+
 def unknown_higher_order_message(name: str) -> str:
     return (
         f"jaxamp.autocast has no rule for the higher-order primitive {name!r}: it holds "
-        "jaxprs or functions that autocast cannot rewrite without knowing their meaning. "
-        f"Register a rule: jaxamp.autocast(fun, policy, rules={{{name!r}: 'keep'}}) runs it "
-        "exactly as traced (its inputs are cast back to their traced dtypes), or pass a "
-        "callable rule(autocaster, eqn, *args) -> list of outputs."
+        "jaxprs or functions whose meaning autocast does not know, so it runs exactly as "
+        "traced (its inputs are cast back to their traced dtypes; what it computes stays "
+        "in those dtypes). To silence this, say so: jaxamp.autocast(fun, policy, "
+        f"rules={{{name!r}: 'keep'}}); to rewrite it, pass a callable "
+        "rule(autocaster, eqn, *args) -> list of outputs."
     )
 
 

@@ -3,7 +3,8 @@
 Everything here uses ``jax.extend.core`` (the public API for jaxpr work). The
 parameter names of higher-order primitives (``jit``'s ``jaxpr``, ``scan``'s
 ``num_carry``, ...) change between JAX versions; reading them is confined to
-this file so that a JAX upgrade touches one module. Written against jax 0.10.
+this file so that a JAX upgrade touches one module. Supported: jax 0.10.2
+to 0.12 (what differs is marked with the version where it changed).
 """
 
 from __future__ import annotations
@@ -18,25 +19,50 @@ import jax.extend.source_info_util as source_info
 import numpy as np
 
 __all__ = [
-    "JIT_NAMES",
-    "REMAT_NAMES",
+    "CALL_NAMES",
+    "VERSION_SPECIFIC_PRIMITIVES",
+    "CondParts",
+    "CustomJvpParts",
+    "JitParts",
+    "RematParts",
+    "ScanParts",
+    "ScatterParts",
+    "ShardMapParts",
+    "WhileParts",
+    "as_closed",
     "bind_eqn",
+    "call_jaxpr",
     "cond_parts",
     "custom_jvp_parts",
     "eqn_has_subjaxprs",
+    "equation_context",
+    "float0_zeros",
+    "is_float0",
     "jit_parts",
     "literal_value",
     "output_dtypes",
     "remat_parts",
     "scan_parts",
+    "scatter_parts",
+    "shard_map_parts",
     "sub_closed_jaxprs",
     "while_parts",
 ]
 
-# Names a primitive has had across JAX versions ("pjit" became "jit").
-JIT_NAMES = ("jit", "pjit")
-REMAT_NAMES = ("remat2", "checkpoint", "remat")
-CALL_NAMES = ("closed_call", "core_call", "call")
+# Call primitives (a ``call_jaxpr`` run inline): "call" and "closed_call" up to
+# jax 0.11; jax 0.12 merged both into "eval_jaxpr".
+CALL_NAMES = ("call", "closed_call", "eval_jaxpr")
+# Primitive names of one supported JAX that the other lacks: the rule table holds
+# both, and the table's drift test allows a name missing from the installed JAX
+# only when it is listed here.
+VERSION_SPECIFIC_PRIMITIVES = {
+    "call": "jax < 0.12",
+    "closed_call": "jax < 0.12",
+    "eval_jaxpr": "jax >= 0.12",
+    "log2": "jax >= 0.12",
+    "one_minus_square": "jax >= 0.12",
+    "polynomial": "jax >= 0.12",
+}
 
 
 def bind_eqn(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list[Any]:
@@ -46,15 +72,9 @@ def bind_eqn(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list[Any]:
 
 
 def _bind_params(eqn: jex.JaxprEqn) -> dict:
-    # jax >= 0.5 returns only params (functions under "subfuns"); older versions
-    # returned (subfuns, params) and took the subfuns as leading bind arguments.
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):
-        raise NotImplementedError(
-            "jaxamp supports jax >= 0.10; this jax returns (subfuns, params) from "
-            "Primitive.get_bind_params."
-        )
-    return params
+    # Higher-order primitives keep functions in their params under "subfuns";
+    # get_bind_params turns an equation's params back into bind's keywords.
+    return eqn.primitive.get_bind_params(eqn.params)
 
 
 @contextlib.contextmanager
@@ -80,7 +100,7 @@ def output_dtypes(prim: Any, avals: Sequence[Any], params: dict) -> list[np.dtyp
     """
     try:
         out = prim.abstract_eval(*avals, **params)
-    except Exception:  # a rule that needs more than avals (or none at all)
+    except (NotImplementedError, TypeError, ValueError):  # no rule, or one needing more
         return None
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
         out = out[0]
@@ -114,6 +134,43 @@ def eqn_has_subjaxprs(eqn: jex.JaxprEqn) -> bool:
     if sub_closed_jaxprs(eqn):
         return True
     return bool(_bind_params(eqn).get("subfuns"))
+
+
+class ShardMapParts(NamedTuple):
+    jaxpr: jex.ClosedJaxpr
+    mesh: Any
+    in_specs: tuple
+    out_specs: tuple
+    axis_names: frozenset
+    check_vma: bool
+
+
+def shard_map_parts(eqn: jex.JaxprEqn) -> ShardMapParts:
+    """What ``jax.shard_map(f, mesh=, in_specs=, out_specs=, axis_names=, check_vma=)`` needs."""
+    p = eqn.params
+    return ShardMapParts(
+        as_closed(p["jaxpr"]),
+        p["mesh"],
+        tuple(p["in_specs"]),
+        tuple(p["out_specs"]),
+        frozenset(p["newly_manual_axes"]),
+        bool(p["check_vma"]),
+    )
+
+
+class ScatterParts(NamedTuple):
+    dimension_numbers: Any
+    indices_are_sorted: bool
+    unique_indices: bool
+    mode: Any
+
+
+def scatter_parts(eqn: jex.JaxprEqn) -> ScatterParts:
+    """The arguments of ``lax.scatter*`` (the combiner jaxpr is rebuilt by them)."""
+    p = eqn.params
+    return ScatterParts(
+        p["dimension_numbers"], p["indices_are_sorted"], p["unique_indices"], p["mode"]
+    )
 
 
 class JitParts(NamedTuple):
@@ -200,9 +257,17 @@ def while_parts(eqn: jex.JaxprEqn) -> WhileParts:
     )
 
 
-def cond_parts(eqn: jex.JaxprEqn) -> tuple[jex.ClosedJaxpr, ...]:
+class CondParts(NamedTuple):
+    branches: tuple[jex.ClosedJaxpr, ...]
+    # For lax.platform_dependent: the platforms of each branch (None: the default
+    # branch), or None for an ordinary cond.
+    platforms: tuple | None
+
+
+def cond_parts(eqn: jex.JaxprEqn) -> CondParts:
     """The branches of a ``cond``; its first operand is the branch index."""
-    return tuple(as_closed(b) for b in eqn.params["branches"])
+    p = eqn.params
+    return CondParts(tuple(as_closed(b) for b in p["branches"]), p.get("branches_platforms"))
 
 
 class RematParts(NamedTuple):

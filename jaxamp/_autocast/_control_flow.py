@@ -1,7 +1,9 @@
-"""autocast's handlers for higher-order primitives: jit, custom_jvp, scan, while, cond, remat.
+"""autocast's handlers for higher-order primitives: jit, custom_jvp, scan, while, cond, remat,
+shard_map (and, from ``_scatter``, the scatter family).
 
 Each rebuilds the primitive with JAX's public API (``jax.jit``, ``jax.custom_jvp``,
-``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``) around a
+``lax.scan``, ``lax.while_loop``, ``lax.switch``, ``lax.platform_dependent``,
+``jax.checkpoint``, ``jax.shard_map``) around a
 function that evaluates the inner jaxpr with autocast, so the structure (and a
 custom_jvp's rule, a checkpoint's policy) is kept. Loop carries and cond outputs
 need one dtype for every iteration or branch: it is found by tracing the body
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._scatter import SCATTER_HANDLERS
 from jaxamp._autocast._values import PLAIN, aval, cast, is_float, promote
 
 __all__ = ["HANDLERS"]
@@ -161,10 +164,10 @@ def _handle_while(ac, eqn, ins):
 
 
 def _handle_cond(ac, eqn, ins):
-    branches = compat.cond_parts(eqn)
+    parts = compat.cond_parts(eqn)
     (index, _), operands = ins[0], list(ins[1:])
     types_in = [(aval(v), r) for v, r in operands]
-    per_branch = [ac.probe(b, (), types_in) for b in branches]
+    per_branch = [ac.probe(b, (), types_in) for b in parts.branches]
     out_types = []
     for outs in zip(*per_branch, strict=True):
         dtypes = {dt for dt, _ in outs}
@@ -178,16 +181,52 @@ def _handle_cond(ac, eqn, ins):
 
         return fun
 
-    outs = jax.lax.switch(index, [make(b) for b in branches], *values)
+    branches = [make(b) for b in parts.branches]
+    if parts.platforms is None:
+        outs = jax.lax.switch(index, branches, *values)
+    else:
+        outs = _platform_dependent(parts.platforms, branches, values)
     return list(zip(outs, [r for _, r in out_types], strict=True))
 
 
+def _platform_dependent(platforms, branches, values):
+    # Rebuilt with lax.platform_dependent (its own platform_index), so only the
+    # branch of the platform being lowered for is compiled, as in the original.
+    per_platform, default = {}, None
+    for names, branch in zip(platforms, branches, strict=True):
+        if names is None:
+            default = branch
+        else:
+            per_platform.update(dict.fromkeys(names, branch))
+    return jax.lax.platform_dependent(*values, default=default, **per_platform)
+
+
+def _handle_shard_map(ac, eqn, ins):
+    # The body runs per shard; rewriting it changes dtypes, never shapes or axes,
+    # so the original specs stay valid for the rewritten body.
+    parts = compat.shard_map_parts(eqn)
+    values, roles = _split(ins)
+    box: list = []
+    body = ac.function_of(parts.jaxpr, (), roles, box)
+    outs = jax.shard_map(
+        lambda *args: tuple(body(*args)),
+        mesh=parts.mesh,
+        in_specs=parts.in_specs,
+        out_specs=parts.out_specs,
+        axis_names=parts.axis_names,
+        check_vma=parts.check_vma,
+    )(*values)
+    return list(zip(outs, box, strict=True))
+
+
 HANDLERS = {
-    **dict.fromkeys(compat.JIT_NAMES, _handle_jit),
+    "jit": _handle_jit,
     **dict.fromkeys(compat.CALL_NAMES, _handle_call),
-    **dict.fromkeys(compat.REMAT_NAMES, _handle_remat),
+    "remat2": _handle_remat,
     "custom_jvp_call": _handle_custom_jvp,
     "scan": _handle_scan,
     "while": _handle_while,
     "cond": _handle_cond,
+    "shard_map": _handle_shard_map,
+    **SCATTER_HANDLERS,
 }

@@ -22,11 +22,11 @@ import numpy as np
 from jaxamp._alignment import align_dim
 from jaxamp._autocast import _compat as compat
 from jaxamp._autocast._interpreter import eval_jaxpr
+from jaxamp._autocast._rules import MATMUL_PRIMITIVES
 
 __all__ = ["padded", "run_matmul"]
 
 _F32 = np.dtype(np.float32)
-MATMUL_NAMES = ("dot_general", "conv_general_dilated")
 
 
 def _canonical_dot(params: dict, x, w):
@@ -51,7 +51,7 @@ def _canonical_dot(params: dict, x, w):
     return {**params, "dimension_numbers": (contract, (batch, batch))}, x, w
 
 
-def _pinned(prim: jex.Primitive, params: dict, x, w):
+def _pinned(prim: jex.Primitive, params: dict, x, w, *extra):
     """The XLA:CPU form of a 16-bit product with float32 accumulation.
 
     XLA:CPU runs bf16 x bf16 -> f32 only in YNNPACK (canonical layouts, M, N > 1)
@@ -67,24 +67,25 @@ def _pinned(prim: jex.Primitive, params: dict, x, w):
     if prim.name == "dot_general":
         params, x, w = _canonical_dot(params, x, w)
     x, w = jax.lax.optimization_barrier((x, w))
-    return prim.bind(x, w, **params)
+    return prim.bind(x, w, *extra, **params)
 
 
-def _accumulating(prim: jex.Primitive, params: dict, x, w, dtype: np.dtype):
+def _accumulating(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
+    # ``extra``: non-floating operands after the two factors (ragged_dot's group sizes).
     params = {**params, "preferred_element_type": _F32}
     if jax.default_backend() == "cpu":
-        out = _pinned(prim, params, x, w)
+        out = _pinned(prim, params, x, w, *extra)
     else:  # GPU/TPU: the native 16-bit product, as written
-        out = prim.bind(x, w, **params)
+        out = prim.bind(x, w, *extra, **params)
     return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)
 
 
-def _eval_accumulating(closed: jex.ClosedJaxpr, args: list, dtype: np.dtype) -> list:
+def _eval_accumulating(closed: jex.ClosedJaxpr, args: list) -> list:
     """Evaluates a backward jaxpr, re-running its products with float32 accumulation."""
 
     def apply(eqn: jex.JaxprEqn, ins: list) -> list:
-        if eqn.primitive.name in MATMUL_NAMES:
-            return [_accumulating(eqn.primitive, eqn.params, *ins, eqn.outvars[0].aval.dtype)]
+        if eqn.primitive.name in MATMUL_PRIMITIVES:
+            return [_accumulating(eqn.primitive, eqn.params, eqn.outvars[0].aval.dtype, *ins)]
         return compat.bind_eqn(eqn, ins)
 
     return eval_jaxpr(closed, args, apply)
@@ -94,35 +95,39 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
     low_params = {**params, "preferred_element_type": dtype}
 
     @jax.custom_vjp
-    def matmul(x, w):
-        return _accumulating(prim, params, x, w, dtype)
+    def matmul(x, w, *extra):
+        return _accumulating(prim, params, dtype, x, w, *extra)
 
-    def fwd(x, w):
-        return matmul(x, w), (x, w)
+    def fwd(x, w, *extra):
+        return matmul(x, w, *extra), (x, w, extra)
 
     def bwd(residuals, ct):
-        x, w = residuals
+        x, w, extra = residuals
 
-        def pullback(x, w, ct):
+        def pullback(x, w, extra, ct):
             # Transposes of the two linear maps (not jax.vjp: that would re-run the
             # forward product, dead code that precision_report would count).
-            (dx,) = jax.linear_transpose(lambda a: prim.bind(a, w, **low_params), x)(ct)
-            (dw,) = jax.linear_transpose(lambda b: prim.bind(x, b, **low_params), w)(ct)
+            (dx,) = jax.linear_transpose(lambda a: prim.bind(a, w, *extra, **low_params), x)(ct)
+            (dw,) = jax.linear_transpose(lambda b: prim.bind(x, b, *extra, **low_params), w)(ct)
             return dx, dw
 
-        closed = jax.make_jaxpr(pullback)(x, w, ct)
-        return tuple(_eval_accumulating(closed, [x, w, ct], dtype))
+        closed = jax.make_jaxpr(pullback)(x, w, extra, ct)
+        dx, dw = _eval_accumulating(closed, [x, w, *extra, ct])
+        return (dx, dw, *(None for _ in extra))
 
     matmul.defvjp(fwd, bwd)
     return matmul
 
 
-def run_matmul(eqn: jex.JaxprEqn, x: Any, w: Any, dtype: np.dtype) -> Any:
-    """The product of ``eqn`` on compute-dtype operands, result in ``dtype``."""
+def run_matmul(eqn: jex.JaxprEqn, x: Any, w: Any, *extra: Any, dtype: np.dtype) -> Any:
+    """The product of ``eqn`` on compute-dtype operands, result in ``dtype``.
+
+    ``extra`` are the equation's non-floating operands after the two factors.
+    """
     if dtype.itemsize >= 4:
         # float32 (or wider) compute: run as written, so a float32 policy is exact.
-        return compat.bind_eqn(eqn, [x, w])[0]
-    return _mixed_matmul(eqn.primitive, dict(eqn.params), dtype)(x, w)
+        return compat.bind_eqn(eqn, [x, w, *extra])[0]
+    return _mixed_matmul(eqn.primitive, dict(eqn.params), dtype)(x, w, *extra)
 
 
 def _pad_axis(x, axis: int, multiple: int):
@@ -190,4 +195,6 @@ def padded(name: str, params: dict, x, w, multiple: int):
     """
     if name == "dot_general":
         return _pad_dot(params, x, w, multiple)
-    return _pad_conv(params, x, w, multiple)
+    if name == "conv_general_dilated":
+        return _pad_conv(params, x, w, multiple)
+    return x, w, None  # ragged_dot: padding would change which rows form a group

@@ -7,13 +7,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax.training import train_state
 
 from jaxamp._casting import cast_floating
-from jaxamp._optax import _find_states, get_loss_scale, loss_scaling
+from jaxamp._finite import select
+from jaxamp._loss_scaling_state import get_loss_scale, loss_scaling_state, loss_scaling_states
+from jaxamp._optax import loss_scaling
 from jaxamp._policy import get_policy
 from jaxamp._scaled_grad import scaled_value_and_grad
 from jaxamp.flax._overrides import normalize_overrides, policy_for
@@ -52,7 +53,7 @@ class LossScaledTrainState(train_state.TrainState):
             raise TypeError(
                 f"tx must be an optax.GradientTransformation; got {type(tx).__name__}: {tx!r}."
             )
-        if _find_states(jax.eval_shape(tx.init, params)):
+        if loss_scaling_states(jax.eval_shape(tx.init, params)):
             if loss_scale is not None:
                 raise ValueError(
                     "tx already contains jaxamp.loss_scaling; pass loss_scale to "
@@ -80,13 +81,13 @@ class LossScaledTrainState(train_state.TrainState):
         """Unscales ``grads``, and applies them only when they are all finite."""
         updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
         new_params = optax.apply_updates(self.params, updates)
-        new = _find_states(new_opt_state)[0]
+        new = loss_scaling_state(new_opt_state)
         # Applied: the step was finite and, when accumulating, it closed a window.
         applied = new.consecutive_skips == 0
         if new.accumulation is not None:
             applied = applied & (new.accumulation.mini_step == 0)
         return self.replace(
-            step=jnp.where(applied, self.step + 1, self.step),
+            step=select(applied, self.step + 1, self.step),
             params=new_params,
             opt_state=new_opt_state,
             **kwargs,

@@ -1,6 +1,9 @@
 """Loss scales save and restore every field with flax.serialization and orbax."""
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +60,25 @@ def test_orbax_round_trip(tmp_path):
         )
     assert _fields(restored["scale"]) == _fields(CUSTOM)
     assert np.array_equal(restored["params"]["w"], tree["params"]["w"])
+
+
+def test_import_jaxamp_registers_loss_scales_without_jaxamp_flax():
+    # A fresh interpreter: the suite's other tests import jaxamp.flax.
+    code = textwrap.dedent(
+        """
+        import sys
+        import flax.serialization
+        import optax
+        import jax.numpy as jnp
+        import jaxamp
+        tx = jaxamp.loss_scaling(optax.sgd(0.1), jaxamp.DynamicLossScale(8.0, growth_interval=7))
+        state = tx.init({"w": jnp.ones(2)})
+        blob = flax.serialization.to_bytes(state)
+        target = jaxamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        restored = jaxamp.get_loss_scale(flax.serialization.from_bytes(target, blob))
+        assert restored.growth_interval == 7 and float(restored.loss_scale) == 8.0
+        assert "jaxamp.flax" not in sys.modules
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

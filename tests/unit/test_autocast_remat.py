@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_autocast import _float32_reference, _loss, _model, _rel_err
 
 import jaxamp
+from tests.helpers import rel_err
+from tests.unit.test_autocast import _float32_reference, _loss, _model
 
 F32 = np.dtype(np.float32)
 
@@ -53,11 +54,11 @@ def test_grads_match_float32_like_without_remat(policy, tol):
     with_remat = jax.jit(jax.grad(jaxamp.autocast(loss, policy, remat_float32=True)))(params, x)
     for key in params:
         assert with_remat[key].dtype == F32
-        err = _rel_err(with_remat[key], want[key])
+        err = rel_err(with_remat[key], want[key])
         # The recomputation repeats the forward's operations on the same saved
         # values; XLA may fuse (and so round 16-bit chains) differently, no more.
         assert err < 5 * tol, key
-        assert err <= 1.25 * _rel_err(without[key], want[key]) + tol / 10, key
+        assert err <= 1.25 * rel_err(without[key], want[key]) + tol / 10, key
 
 
 def test_float32_compute_dtype_makes_it_a_no_op():

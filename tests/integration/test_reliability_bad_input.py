@@ -15,7 +15,7 @@ import pytest
 import jaxamp
 from jaxamp.testing import inject_fault
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 
 
 def _traced(fn):
@@ -226,6 +226,36 @@ CASES = [
         lambda: inject_fault(jnp.arange(3), 0, 0),
         TypeError,
         ["x", "floating", "int32"],
+    ),
+    (
+        'autocast(f, rules={"add": "compute"})',
+        lambda: jaxamp.autocast(jnp.add, rules={"add": "compute"}),
+        ValueError,
+        ["rules['add']", "contractions", "dot_general", "'follow'"],
+    ),
+    (
+        'autocast(f, rules={"add": "recurse"})',
+        lambda: jaxamp.autocast(jnp.add, rules={"add": "recurse"}),
+        ValueError,
+        ["rules['add']", "built-in handler", "scan", "'keep'"],
+    ),
+    (
+        'autocast(f, rules={"add": "fast"})',
+        lambda: jaxamp.autocast(jnp.add, rules={"add": "fast"}),
+        ValueError,
+        ["rules['add']", "'compute'", "'keep'", "'fast'"],
+    ),
+    (
+        'autocast(f, rules={3: "keep"})',
+        lambda: jaxamp.autocast(jnp.add, rules={3: "keep"}),
+        TypeError,
+        ["rules keys", "jax.lax.exp_p", "int"],
+    ),
+    (
+        "autocast(f, pad_to=0)",
+        lambda: jaxamp.autocast(jnp.add, pad_to=0),
+        ValueError,
+        ["pad_to", "'auto'", "0"],
     ),
 ]
 

@@ -9,6 +9,7 @@ from flax import nnx
 
 import jaxamp
 import jaxamp.flax
+from tests.helpers import bits, dot_dtypes
 
 
 class MLP(nnx.Module):
@@ -24,10 +25,6 @@ class MLP(nnx.Module):
 def _loss(model, x, y):
     logits = model(x).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 def _data():
@@ -77,19 +74,19 @@ def test_nnx_optimizer_matches_functional_optax_and_skips_bit_identically():
     scales = []
     for step in range(4):
         xb = x.at[0, 0].set(jnp.inf) if step == 1 else x
-        before = _bits(nnx.state(model, nnx.Param))
-        momentum_before = _bits(nnx.as_pure(optimizer.opt_state).inner_state)
-        scale_before = _bits(jaxamp.get_loss_scale(optimizer.opt_state))
+        before = bits(nnx.state(model, nnx.Param))
+        momentum_before = bits(nnx.as_pure(optimizer.opt_state).inner_state)
+        scale_before = bits(jaxamp.get_loss_scale(optimizer.opt_state))
         loss = _train_step(model, optimizer, xb, y)
         scales.append(float(jaxamp.get_loss_scale(optimizer.opt_state).loss_scale))
         if step == 1:
             assert not np.isfinite(float(loss))
-            assert _bits(nnx.state(model, nnx.Param)) == before
-            assert _bits(nnx.as_pure(optimizer.opt_state).inner_state) == momentum_before
+            assert bits(nnx.state(model, nnx.Param)) == before
+            assert bits(nnx.as_pure(optimizer.opt_state).inner_state) == momentum_before
             # (a non-trivial momentum from step 0, kept exactly)
             momentum = jax.tree.leaves(nnx.as_pure(optimizer.opt_state).inner_state)
             assert any(np.any(np.asarray(m) != 0) for m in momentum)
-            assert scale_before != _bits(jaxamp.get_loss_scale(optimizer.opt_state))
+            assert scale_before != bits(jaxamp.get_loss_scale(optimizer.opt_state))
             continue
         ref_value, params, ref_state = ref_step(params, ref_state)
         np.testing.assert_allclose(float(loss), float(ref_value), rtol=1e-6)
@@ -119,15 +116,6 @@ def test_float16_nnx_training_keeps_float32_params_and_scales_within_range():
     assert float(jaxamp.get_loss_scale(optimizer.opt_state).loss_scale) == 2.0**15
 
 
-def _dot_dtypes(fun, *args):
-    jaxpr = jax.make_jaxpr(fun)(*args)
-    return [
-        tuple(v.aval.dtype.name for v in eqn.invars)
-        for eqn in jaxpr.eqns
-        if eqn.primitive.name == "dot_general"
-    ]
-
-
 def test_set_policy_with_class_and_path_overrides():
     model = MLP(nnx.Rngs(0))
     jaxamp.flax.set_policy(
@@ -140,7 +128,7 @@ def test_set_policy_with_class_and_path_overrides():
     out = nnx.merge(graphdef, state)(x)
     assert out.dtype == jnp.float32
     # hidden's matmul runs in bfloat16, the head's (the logits) in float32.
-    dots = _dot_dtypes(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
+    dots = dot_dtypes(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
     assert dots == [("bfloat16", "bfloat16"), ("float32", "float32")]
 
     # A pure float16 policy casts the params themselves.

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -78,4 +77,3 @@ def test_strict_promotion_is_on_for_the_suite():
     assert jax.config.jax_numpy_dtype_promotion == "strict"
     with pytest.raises(jax.dtypes.TypePromotionError):
         _ = jnp.ones(2, jnp.bfloat16) + jnp.ones(2, jnp.float32)
-    assert np.dtype(jnp.bfloat16).itemsize == 2

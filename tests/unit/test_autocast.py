@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests.helpers import rel_err
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 
@@ -108,11 +109,6 @@ def _loss(apply):
     return lambda p, x: jnp.mean(jnp.square(apply(p, x)))
 
 
-def _rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
-
-
 @functools.cache
 def _float32_reference(name):
     apply, params, x = _model(name)
@@ -143,14 +139,14 @@ def test_outputs_and_grads_match_float32(name, policy, tol):
     got_out, got_grads = out_and_grads(params, x)
     hand = _hand_cast_grads(loss, params, x, jaxamp.get_policy(policy).compute_dtype)
     assert got_out.dtype == F32
-    assert 0 < _rel_err(got_out, want_out) < tol  # > 0: the 16-bit rounding is real
+    assert 0 < rel_err(got_out, want_out) < tol  # > 0: the 16-bit rounding is real
     for key in params:
         assert got_grads[key].dtype == F32
-        err = _rel_err(got_grads[key], want_grads[key])
+        err = rel_err(got_grads[key], want_grads[key])
         # Gradients through several 16-bit layers (max-norm relative error): within
         # 5x the output tolerance, and no worse than casting everything by hand.
         assert err < 5 * tol, key
-        assert err <= 1.25 * _rel_err(hand[key], want_grads[key]) + tol / 10, key
+        assert err <= 1.25 * rel_err(hand[key], want_grads[key]) + tol / 10, key
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -240,12 +236,12 @@ def test_composes_with_vmap_jit_and_value_and_grad():
     report = jaxamp.precision_report(vmapped, params, x[:, None])
     assert report.fraction_in(jnp.bfloat16) == 1.0
     value, grads = jax.jit(jax.value_and_grad(jaxamp.autocast(loss)))(params, x)
-    assert value.dtype == F32 and _rel_err(value, loss(params, x)) < 4e-2
+    assert value.dtype == F32 and rel_err(value, loss(params, x)) < 4e-2
     # grad inside autocast (the backward pass is rewritten too).
     inner = jax.jit(jaxamp.autocast(jax.grad(loss)))(params, x)
     for key in params:
         assert inner[key].dtype == F32
-        assert _rel_err(inner[key], grads[key]) < 4e-2
+        assert rel_err(inner[key], grads[key]) < 4e-2
 
 
 def test_pytree_and_static_arguments():

@@ -4,12 +4,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import jaxamp
 from jaxamp._faults import inject_fault, inject_fault_in_leaf
+from tests.helpers import bits
 
 POLICY = jaxamp.get_policy("mixed_float16")
 FAULT_STEPS = (3, 7)
@@ -54,10 +54,6 @@ def _make_step(fault, tx):
     return step
 
 
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
 @pytest.mark.parametrize("fault", ["grad", "loss", "activation"])
 def test_each_fault_is_skipped_bit_identically_and_training_recovers(fault):
     tx = jaxamp.loss_scaling(
@@ -68,16 +64,16 @@ def test_each_fault_is_skipped_bit_identically_and_training_recovers(fault):
     params, opt_state = _params(), tx.init(_params())
     losses = []
     for i in range(STEPS):
-        before = (_bits(params), _bits(opt_state.inner_state))
+        before = (bits(params), bits(opt_state.inner_state))
         scale_before = float(jaxamp.get_loss_scale(opt_state).loss_scale)
         params, opt_state, loss = step(params, opt_state, jnp.int32(i), x, y)
         scale_after = float(jaxamp.get_loss_scale(opt_state).loss_scale)
         if i in FAULT_STEPS:
-            assert (_bits(params), _bits(opt_state.inner_state)) == before, f"step {i}"
+            assert (bits(params), bits(opt_state.inner_state)) == before, f"step {i}"
             assert scale_after == scale_before / 2
             assert bool(jaxamp.loss_scaling_metrics(opt_state)["last_step_skipped"])
         else:
-            assert _bits(params) != before[0], f"step {i} should have updated"
+            assert bits(params) != before[0], f"step {i} should have updated"
             assert scale_after == scale_before
             losses.append(float(loss))
     assert int(opt_state.skipped_steps) == len(FAULT_STEPS)
@@ -96,7 +92,7 @@ def test_same_trajectory_as_a_run_without_the_faulty_steps():
         p1, s1, _ = faulty(p1, s1, jnp.int32(i), x, y)
         if i not in FAULT_STEPS:
             p2, s2, _ = clean(p2, s2, jnp.int32(i), x, y)
-    assert _bits(p1) == _bits(p2) and _bits(s1.inner_state) == _bits(s2.inner_state)
+    assert bits(p1) == bits(p2) and bits(s1.inner_state) == bits(s2.inner_state)
 
 
 def test_persistent_faults_stop_at_min_scale_and_never_update():
@@ -107,10 +103,10 @@ def test_persistent_faults_stop_at_min_scale_and_never_update():
     x, y = _data()
     params, opt_state = _params(), tx.init(_params())
     step = jax.jit(functools.partial(_make_step("grad", tx).__wrapped__))
-    initial = _bits(params)
+    initial = bits(params)
     for _ in range(40):
         params, opt_state, _ = step(params, opt_state, jnp.int32(3), x, y)  # always step 3
-    assert _bits(params) == initial
+    assert bits(params) == initial
     metrics = jaxamp.loss_scaling_metrics(opt_state)
     assert float(metrics["loss_scale"]) == 2.0**10
     assert int(metrics["skipped_steps"]) == 40 and int(metrics["consecutive_skips"]) == 40

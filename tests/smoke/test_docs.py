@@ -28,7 +28,7 @@ import pytest
 
 import jaxamp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 # A fence may be indented (inside a content tab or an admonition): its body is dedented.

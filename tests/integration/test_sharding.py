@@ -15,6 +15,41 @@ STEPS = 5
 BAD_STEP = 2  # on this step only the rows of device 5 (of 8) overflow
 
 
+def _pmap_trace(loss_fn, make_tx, params0, xs, y, record) -> list:
+    """Scenario 4 of :func:`_worker`: pmap with per-device grads, reduced by loss_scaling."""
+    import functools
+
+    import jax
+    import numpy as np
+    import optax
+
+    import jaxamp
+
+    per_device = y.shape[0] // N_DEVICES
+    tx_axis = make_tx(axis_name="data", grad_reduction="mean")
+
+    @functools.partial(jax.pmap, axis_name="data", in_axes=(None, None, 0, 0))
+    def pmap_step(params, state, x, y):
+        scale = jaxamp.get_loss_scale(state)
+        _, grads = jaxamp.scaled_value_and_grad(loss_fn, scale)(params, x, y)
+        updates, state = tx_axis.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state, pmap_trace = params0, tx_axis.init(params0), []
+    for t in range(STEPS):
+        xb = xs[t].reshape(N_DEVICES, per_device, -1)
+        yb = y.reshape(N_DEVICES, per_device)
+        params, state = pmap_step(params, state, xb, yb)
+        devices_agree = all(
+            np.array_equal(p[i], p[0]) for p in jax.tree.leaves(params) for i in range(N_DEVICES)
+        )
+        assert devices_agree
+        params, state = jax.tree.map(lambda a: a[0], (params, state))
+        record(pmap_trace, params, state)
+
+    return pmap_trace
+
+
 def _worker() -> dict:
     import functools
 
@@ -134,26 +169,7 @@ def _worker() -> dict:
     local = [bool(f) for f in local_flags(params0, xs[BAD_STEP], y)]
 
     # 4. pmap: per-device grads, reduced by loss_scaling.
-    tx_axis = make_tx(axis_name="data", grad_reduction="mean")
-
-    @functools.partial(jax.pmap, axis_name="data", in_axes=(None, None, 0, 0))
-    def pmap_step(params, state, x, y):
-        scale = jaxamp.get_loss_scale(state)
-        _, grads = jaxamp.scaled_value_and_grad(loss_fn, scale)(params, x, y)
-        updates, state = tx_axis.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    params, state, pmap_trace = params0, tx_axis.init(params0), []
-    for t in range(STEPS):
-        xb = xs[t].reshape(N_DEVICES, per_device, -1)
-        yb = y.reshape(N_DEVICES, per_device)
-        params, state = pmap_step(params, state, xb, yb)
-        devices_agree = all(
-            np.array_equal(p[i], p[0]) for p in jax.tree.leaves(params) for i in range(N_DEVICES)
-        )
-        assert devices_agree
-        params, state = jax.tree.map(lambda a: a[0], (params, state))
-        record(pmap_trace, params, state)
+    pmap_trace = _pmap_trace(loss_fn, make_tx, params0, xs, y, record)
 
     return {
         "single": single,

@@ -5,12 +5,12 @@ import functools
 import flax.serialization
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
 
 import jaxamp
+from tests.helpers import bits
 
 POLICY = jaxamp.get_policy("mixed_float16")
 CONFIG = {"growth_interval": 2, "growth_factor": 4.0, "backoff_factor": 0.25}
@@ -60,10 +60,6 @@ def _run(params, opt_state, xs, y, start, stop):
     return params, opt_state
 
 
-def _bits(tree):
-    return [(np.asarray(x).dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
-
-
 def _save_orbax(path, tree):
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path, tree)
@@ -96,10 +92,10 @@ def test_resume_mid_training_is_bit_identical(tmp_path, via, accumulation_steps)
     scale = jaxamp.get_loss_scale(restored["opt_state"])
     for name, value in CONFIG.items():
         assert getattr(scale, name) == value and type(getattr(scale, name)) is type(value)
-    assert _bits(restored) == _bits({"params": mid_params, "opt_state": mid_state})
+    assert bits(restored) == bits({"params": mid_params, "opt_state": mid_state})
     end_params, end_state = _run(restored["params"], restored["opt_state"], xs, y, cut, n)
-    assert _bits(end_params) == _bits(full_params)
-    assert _bits(end_state) == _bits(full_state)
+    assert bits(end_params) == bits(full_params)
+    assert bits(end_state) == bits(full_state)
     assert float(jaxamp.get_loss_scale(end_state).loss_scale) == float(
         jaxamp.get_loss_scale(full_state).loss_scale
     )
@@ -114,7 +110,7 @@ def test_orbax_with_a_same_config_target_restores_the_pytree_directly(tmp_path):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     restored = checkpointer.restore(tmp_path / "ckpt", abstract)
     assert jax.tree.structure(restored) == jax.tree.structure(state)
-    assert _bits(restored) == _bits(state)
+    assert bits(restored) == bits(state)
     metrics = jaxamp.loss_scaling_metrics(restored["opt_state"])
     # 2**12, grown x4 after two finite steps, cut x0.25 by batch 2's overflow.
     assert int(metrics["skipped_steps"]) == 1 and float(metrics["loss_scale"]) == 2.0**12

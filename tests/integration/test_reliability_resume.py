@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import orbax.checkpoint as ocp
 
 import jaxamp
 from jaxamp.testing import inject_fault_in_leaf
+from tests.helpers import bits
 
 STEPS = 24
 FAULTS = jnp.asarray([2, 3, 9, 17], jnp.int32)  # including two faults in a row
@@ -51,10 +53,6 @@ def _run(step, state, start, stop):
     return params, opt_state
 
 
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
 def test_kill_and_resume_at_random_steps_is_bit_identical(tmp_path):
     tx, params, step = _setup()
     reference = _run(step, (params, tx.init(params)), 0, STEPS)
@@ -70,17 +68,17 @@ def test_kill_and_resume_at_random_steps_is_bit_identical(tmp_path):
         with ocp.StandardCheckpointer() as ckpt:
             restored = ckpt.restore(path, template)
         resumed = _run(step, restored, int(kill), STEPS)
-        assert _bits(resumed) == _bits(reference), f"resume after step {kill}"
+        assert bits(resumed) == bits(reference), f"resume after step {kill}"
         assert jaxamp.get_loss_scale(resumed[1]).min_loss_scale == 2.0**-2
 
 
 _EIGHT_DEVICES = textwrap.dedent(
     """
-    import sys
+    import pickle, sys
     import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     sys.path.insert(0, sys.argv[2])
-    import test_reliability_resume as t
+    import tests.integration.test_reliability_resume as t
     assert jax.device_count() == 8, jax.devices()
     tx, params, step = t._setup()
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -92,8 +90,8 @@ _EIGHT_DEVICES = textwrap.dedent(
         restored = ckpt.restore(sys.argv[1] + "/ckpt", template)
     assert len(jax.tree.leaves(restored)[0].sharding.device_set) == 8
     resumed = t._run(step, restored, int(sys.argv[3]), t.STEPS)
-    np.save(sys.argv[1] + "/resumed.npy", np.array(t._bits(resumed), dtype=object),
-            allow_pickle=True)
+    with open(sys.argv[1] + "/resumed.pkl", "wb") as f:
+        pickle.dump(t.bits(resumed), f)
     """
 )
 
@@ -107,14 +105,14 @@ def test_resume_on_eight_devices_matches_single_device_run(tmp_path):
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
-    tests_dir = str(pathlib.Path(__file__).parent)
+    root = str(pathlib.Path(__file__).resolve().parents[2])  # imports tests.integration...
     done = subprocess.run(
-        [sys.executable, "-c", _EIGHT_DEVICES, str(tmp_path), tests_dir, str(kill)],
+        [sys.executable, "-c", _EIGHT_DEVICES, str(tmp_path), root, str(kill)],
         env=env,
         timeout=240,
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    resumed = np.load(tmp_path / "resumed.npy", allow_pickle=True).tolist()
-    assert resumed == _bits(reference)
+    resumed = pickle.loads((tmp_path / "resumed.pkl").read_bytes())
+    assert resumed == bits(reference)

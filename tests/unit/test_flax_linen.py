@@ -10,6 +10,7 @@ from flax.training import train_state
 
 import jaxamp
 import jaxamp.flax
+from tests.helpers import bits, dot_dtypes
 
 
 class MLP(nn.Module):
@@ -20,10 +21,6 @@ class MLP(nn.Module):
         x = nn.relu(nn.Dense(8, name="hidden")(x))
         x = nn.LayerNorm(name="norm")(x)
         return nn.Dense(3, name="head", dtype=self.head_dtype)(x)
-
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 def _setup(loss_scale):
@@ -65,10 +62,10 @@ def test_train_state_matches_plain_train_state_and_skips_without_advancing_step(
             before = state
             state, loss = _step(state, x.at[3, 1].set(jnp.nan), y)
             assert not np.isfinite(float(loss))
-            assert _bits(state.params) == _bits(before.params)
+            assert bits(state.params) == bits(before.params)
             assert int(state.step) == int(before.step)  # skipped steps do not count
             # The scale moved; the optimizer's own state did not.
-            assert _bits(state.opt_state.inner_state) == _bits(before.opt_state.inner_state)
+            assert bits(state.opt_state.inner_state) == bits(before.opt_state.inner_state)
             assert float(state.loss_scale.loss_scale) == 512.0
         else:
             state, loss = _step(state, x, y)
@@ -101,27 +98,19 @@ def test_create_accepts_a_wrapped_tx_and_rejects_two_scales():
     assert float(default.loss_scale.loss_scale) == 2.0**15
 
 
-def _dot_dtypes(fun, *args):
-    return [
-        tuple(v.aval.dtype.name for v in eqn.invars)
-        for eqn in jax.make_jaxpr(fun)(*args).eqns
-        if eqn.primitive.name == "dot_general"
-    ]
-
-
 def test_linen_policy_overrides_by_class_and_path():
     model = MLP()
     x = jnp.ones((2, 4))
     with jaxamp.flax.linen_policy("mixed_bfloat16", {nn.LayerNorm: "float32", "head": "float32"}):
         variables = model.init(jax.random.key(0), x)
-        dots = _dot_dtypes(model.apply, variables, x)
+        dots = dot_dtypes(model.apply, variables, x)
         out = jax.jit(model.apply)(variables, x)
     assert {p.dtype for p in jax.tree.leaves(variables)} == {jnp.dtype("float32")}
     # hidden computes in bfloat16; the head (logits) in float32.
     assert dots == [("bfloat16", "bfloat16"), ("float32", "float32")]
     assert out.dtype == jnp.float32
     # Outside the context the model is the plain float32 model again.
-    assert _dot_dtypes(model.apply, variables, x) == [("float32", "float32")] * 2
+    assert dot_dtypes(model.apply, variables, x) == [("float32", "float32")] * 2
 
     # Without a path override, the head follows the policy; a float16 policy
     # creates float16 params.
@@ -137,12 +126,12 @@ def test_linen_policy_keeps_explicit_dtypes_unless_overridden():
     x = jnp.ones((2, 4))
     with jaxamp.flax.linen_policy("mixed_bfloat16", {nn.LayerNorm: "float32"}):
         variables = model.init(jax.random.key(0), x)
-        assert _dot_dtypes(model.apply, variables, x) == [
+        assert dot_dtypes(model.apply, variables, x) == [
             ("bfloat16", "bfloat16"),
             ("float32", "float32"),
         ]
     with jaxamp.flax.linen_policy("float32", {nn.Dense: "mixed_bfloat16"}):
-        assert _dot_dtypes(model.apply, variables, x) == [("bfloat16", "bfloat16")] * 2
+        assert dot_dtypes(model.apply, variables, x) == [("bfloat16", "bfloat16")] * 2
     with (
         pytest.raises(TypeError, match="overrides keys must be module classes"),
         jaxamp.flax.linen_policy("float32", {1.5: "float32"}),

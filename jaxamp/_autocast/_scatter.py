@@ -1,0 +1,44 @@
+"""autocast's handlers for the scatter family (``x.at[i].add``, ``segment_sum``, ...).
+
+A scatter holds a typed combiner jaxpr (``add`` for scatter-add on scalars of the
+traced dtype), so it cannot be re-bound with operands of another dtype. Its
+operand and updates follow like any elementwise operation; then the public
+``lax.scatter*`` function builds the scatter again, combiner included, for the
+dtype they now have.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._values import PLAIN, is_float
+
+__all__ = ["SCATTER_HANDLERS"]
+
+_SCATTERS = {
+    "scatter": jax.lax.scatter,
+    "scatter-add": jax.lax.scatter_add,
+    "scatter-sub": jax.lax.scatter_sub,
+    "scatter-mul": jax.lax.scatter_mul,
+    "scatter-min": jax.lax.scatter_min,
+    "scatter-max": jax.lax.scatter_max,
+}
+
+
+def _handle_scatter(ac, eqn, ins):
+    (operand, indices, updates), role = ac.follow_values(eqn, ins)
+    parts = compat.scatter_parts(eqn)
+    out = _SCATTERS[eqn.primitive.name](
+        operand,
+        indices,
+        updates,
+        parts.dimension_numbers,
+        indices_are_sorted=parts.indices_are_sorted,
+        unique_indices=parts.unique_indices,
+        mode=parts.mode,
+    )
+    return [(out, role if is_float(out) else PLAIN)]
+
+
+SCATTER_HANDLERS = dict.fromkeys(_SCATTERS, _handle_scatter)

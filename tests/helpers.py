@@ -1,0 +1,53 @@
+"""Assertions shared by the test files: bit-equality, matmul dtypes, closeness.
+
+Import as ``from tests.helpers import bits`` (``tests`` is a package; pytest puts
+the repository root on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import jaxamp
+
+
+def bits(tree: Any) -> list[tuple[np.dtype, bytes]]:
+    """Each leaf's dtype and raw bytes: equal exactly when two trees are bit-identical.
+
+    >>> import jax.numpy as jnp
+    >>> bits({"a": jnp.float32(0.0)}) == bits({"a": jnp.float32(-0.0)})
+    False
+    """
+    return [(np.asarray(x).dtype, np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
+
+
+def dot_dtypes(fun: Any, *args: Any) -> list[tuple[str, str]]:
+    """Operand dtypes of every matmul ``fun`` runs on ``args``, as ``precision_report`` lists them.
+
+    >>> import jax.numpy as jnp
+    >>> dot_dtypes(lambda a: a @ a, jnp.ones((2, 2), jnp.bfloat16))
+    [('bfloat16', 'bfloat16')]
+    """
+    return [m.operand_dtypes for m in jaxamp.precision_report(fun, *args).matmuls]
+
+
+def rel_err(got: Any, want: Any) -> float:
+    """Largest absolute error relative to the reference's largest magnitude.
+
+    Relative to the whole array, not per element: the right measure for a 16-bit
+    computation against its float32 reference, whose small elements carry the
+    large ones' absolute rounding error.
+
+    >>> round(rel_err(np.array([1.0, 2.01]), np.array([1.0, 2.0])), 6)
+    0.005
+    """
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+
+
+def assert_close(got: Any, want: Any, tol: float = 3e-2) -> None:
+    """:func:`rel_err` of ``got`` against the reference ``want`` is at most ``tol``."""
+    assert rel_err(got, want) <= tol

@@ -1,0 +1,108 @@
+"""The rule table against the installed JAX: no stale key, no higher-order primitive without a rule.
+
+A JAX upgrade that renames a primitive (``pjit`` -> ``jit``, ``scatter_add`` ->
+``scatter-add``) or adds a higher-order one fails here, naming it, instead of in
+a user's run. The primitives JAX defines are enumerated from its public modules
+and from tracing a zoo of programs that use every higher-order primitive
+autocast knows (and a few more).
+"""
+
+import importlib
+import warnings
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+import jaxamp
+from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._interpreter import walk
+
+PUBLIC_MODULES = ("jax.lax", "jax.extend.core.primitives", "jax.random", "jax.nn")
+
+
+def _public_primitives() -> set[str]:
+    names = set()
+    for module in PUBLIC_MODULES:
+        mod = importlib.import_module(module)
+        names |= {v.name for v in vars(mod).values() if isinstance(v, jex.Primitive)}
+    return names
+
+
+@jax.custom_vjp
+def _custom_vjp_sin(x):
+    return jnp.sin(x)
+
+
+_custom_vjp_sin.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+
+def _zoo(x):
+    """One differentiable program with most higher-order primitives the table names."""
+    mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec
+    m = jnp.outer(x, x) + jnp.eye(x.shape[0])
+    y = jax.lax.scan(lambda c, v: (c + v, c * v), 0.0, x)[1]
+    y = y + jax.lax.fori_loop(0, 2, lambda i, c: c * 0.5, x)
+    y = y + jax.lax.cond(x[0] > 0, jnp.sin, jnp.cos, x)
+    y = y + jax.lax.platform_dependent(x, cpu=jnp.tanh, default=jnp.sin)
+    y = y + jax.checkpoint(jnp.sin)(x) + jax.jit(jnp.cos)(x) + jax.nn.relu(x)
+    y = y + _custom_vjp_sin(x) + jnp.linalg.solve(m, x)
+    y = y + jax.shard_map(jnp.sin, mesh=mesh, in_specs=spec(), out_specs=spec())(x)
+    y = y.at[0].add(1.0).at[1].multiply(2.0).at[2].min(0.0).at[3].max(0.0).at[0].set(1.0)
+    y = y + jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (2,), (1,), "SAME")
+    y = y + jax.lax.ragged_dot(m, jnp.stack([m, m])[:, :, :2], jnp.array([1, 3]))[:, 0]
+    return y + jax.lax.sort(x) + jax.lax.top_k(x, 2)[0].sum()
+
+
+def _forward_only(x):
+    """The rest: not reverse-differentiable."""
+    y = jax.lax.while_loop(lambda c: c[0] > 10.0, lambda c: c * 0.5, x)
+    y = y + jax.lax.reduce((x, x), (0.0, 0.0), lambda a, b: (a[0] + b[0], a[1]), (0,))[0]
+    y = y + jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return y + io_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+X = jnp.arange(1.0, 5.0)
+
+
+def _traced_equations():
+    programs = [
+        jax.make_jaxpr(_zoo)(X),
+        jax.make_jaxpr(jax.grad(lambda x: _zoo(x).sum()))(X),
+        jax.make_jaxpr(_forward_only)(X),
+    ]
+    return [eqn for closed in programs for eqn, _ in walk(closed.jaxpr)]
+
+
+def test_every_rule_key_names_a_primitive_of_this_jax():
+    defined = _public_primitives() | {e.primitive.name for e in _traced_equations()}
+    other_version = set(compat.VERSION_SPECIFIC_PRIMITIVES)
+    stale = sorted(set(jaxamp.AUTOCAST_RULES) - defined - other_version)
+    assert not stale, f"AUTOCAST_RULES names primitives jax {jax.__version__} lacks: {stale}"
+    # A version-specific name is listed for the version that has it.
+    present = sorted(other_version & defined)
+    absent = sorted(other_version - defined)
+    assert present and absent, (present, absent)
+
+
+def test_every_higher_order_primitive_met_has_a_rule():
+    holders = {e.primitive.name for e in _traced_equations() if compat.eqn_has_subjaxprs(e)}
+    missing = sorted(holders - set(jaxamp.AUTOCAST_RULES))
+    assert not missing, f"higher-order primitives of jax {jax.__version__} with no rule: {missing}"
+    # The zoo really uses the higher-order primitives it is meant to.
+    expected = {"scan", "while", "cond", "shard_map", "scatter-add", "custom_vjp_call", "jit"}
+    assert expected <= holders, holders
+
+
+def test_the_zoo_runs_under_autocast_without_unknown_primitives():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxamp.UnknownPrimitiveWarning)
+        for fun in (_zoo, _forward_only):
+            exact = jax.jit(jaxamp.autocast(fun, "float32"))(X)
+            np.testing.assert_array_equal(exact, jax.jit(fun)(X))
+            assert np.isfinite(np.asarray(jax.jit(jaxamp.autocast(fun))(X))).all()
+        grads = jax.jit(jax.grad(lambda x: jaxamp.autocast(_zoo)(x).sum()))(X)
+    assert np.isfinite(np.asarray(grads)).all()
