@@ -270,7 +270,7 @@ def test_equinox_gru_cell_in_a_scan():
 
 
 def test_equinox_batchnorm_with_state():
-    bn_model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(8, axis_name="batch")
+    bn_model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(8, axis_name="batch", mode="ema")
     lin = eqx.nn.Linear(4, 8, key=jax.random.key(0))
     params, static = _eqx((lin, bn_model))
     x = _normal(5, 6, 4)
