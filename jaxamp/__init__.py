@@ -12,6 +12,7 @@ from jaxamp._autocast import AUTOCAST_RULES, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp._numerics import NumericsReport, OpStats, numerics_report
 from jaxamp._optax import (
     AccumulationState,
     LossScalingState,
@@ -37,6 +38,8 @@ __all__ = [
     "LossScalingState",
     "MatmulInfo",
     "NoOpLossScale",
+    "NumericsReport",
+    "OpStats",
     "Policy",
     "PrecisionReport",
     "StaticLossScale",
@@ -50,6 +53,7 @@ __all__ = [
     "get_policy",
     "loss_scaling",
     "loss_scaling_metrics",
+    "numerics_report",
     "pad_to_multiple",
     "policy_for_device",
     "precision_report",

@@ -22,6 +22,7 @@ __all__ = [
     "REMAT_NAMES",
     "bind_eqn",
     "cond_parts",
+    "custom_call_jaxpr",
     "custom_jvp_parts",
     "eqn_has_subjaxprs",
     "jit_parts",
@@ -29,6 +30,7 @@ __all__ = [
     "output_dtypes",
     "remat_parts",
     "scan_parts",
+    "source_frames",
     "sub_closed_jaxprs",
     "while_parts",
 ]
@@ -37,6 +39,9 @@ __all__ = [
 JIT_NAMES = ("jit", "pjit")
 REMAT_NAMES = ("remat2", "checkpoint", "remat")
 CALL_NAMES = ("closed_call", "core_call", "call")
+# custom_jvp / custom_vjp calls: the primal function is ``call_jaxpr`` (``fun_jaxpr``
+# in older versions), taking all the equation's operands.
+CUSTOM_CALL_NAMES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def bind_eqn(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list[Any]:
@@ -129,6 +134,20 @@ def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
 
 def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
     return as_closed(eqn.params["call_jaxpr"])
+
+
+def custom_call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    """The primal function of a custom_jvp/custom_vjp call (its operands are the eqn's)."""
+    p = eqn.params
+    return as_closed(p["call_jaxpr"] if "call_jaxpr" in p else p["fun_jaxpr"])
+
+
+def source_frames(eqn: jex.JaxprEqn) -> list[tuple[str, int]]:
+    """``(file name, line)`` of the frames that traced ``eqn``, innermost first."""
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return []
+    return [(frame.file_name, int(frame.line_num)) for frame in traceback.frames]
 
 
 class CustomJvpParts(NamedTuple):

@@ -1,0 +1,267 @@
+"""The traced half of the numerics report: run the program and measure every site.
+
+``Recorder.run`` evaluates a closed jaxpr with jaxamp's one evaluation loop
+(``_autocast._interpreter.eval_jaxpr``). Environment values are ``(array,
+finite)`` pairs, where ``finite`` is a traced bool saying the array holds no
+inf/NaN, so an equation knows whether its inputs were finite without measuring
+them again. Each first-order equation runs as written (``compat.bind_eqn``) and
+each of its floating outputs updates its site's statistics, which are traced
+scalars: the whole instrumented program runs under one ``jax.jit``.
+
+Loops carry the statistics of the sites in their body (packed into two arrays)
+together with a clock and the iteration number, and ``cond`` passes them through
+every branch, so a loop is measured over all its iterations without Python
+loops or host syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._interpreter import eval_jaxpr
+from jaxamp._casting import is_floating
+from jaxamp._numerics import _shadow
+from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
+
+__all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
+
+NEVER = np.iinfo(np.int32).max  # the clock value of "no non-finite origin"
+
+
+class Stat(NamedTuple):
+    """The running statistics of one site (traced scalars)."""
+
+    max_abs: Any  # float32: largest finite magnitude
+    max_abs_float32: Any  # float32: the same, of the op computed in float32
+    nonfinite: Any  # int32: inf/NaN values
+    underflow: Any  # int32: values flushed to zero/subnormal by the 16-bit dtype
+    executions: Any  # int32: how often the equation ran
+    origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
+    first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
+
+
+_FLOAT_FIELDS = 2
+EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, NEVER, -1], np.int32))
+
+
+def all_finite_flag(x: Any) -> Any:
+    if not is_floating(x):
+        return jnp.bool_(True)
+    return jnp.all(jnp.isfinite(x))
+
+
+def _and_all(flags: Sequence[Any]) -> Any:
+    out = jnp.bool_(True)
+    for flag in flags:
+        out = jnp.logical_and(out, flag)
+    return out
+
+
+def _finite_max(x: Any) -> Any:
+    magnitude = jnp.abs(x)
+    finite = jnp.where(jnp.isfinite(x), magnitude, jnp.zeros((), x.dtype))
+    return jnp.max(finite, initial=0).astype(jnp.float32)
+
+
+def _underflow_count(out: Any, shadow: Any) -> Any:
+    # Zero or subnormal in the output dtype, normal in float32 arithmetic.
+    tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
+    flushed = jnp.abs(out) < tiny
+    normal32 = jnp.abs(shadow) >= np.float32(jnp.finfo(jnp.float32).tiny)
+    return jnp.sum(jnp.logical_and(flushed, normal32), dtype=jnp.int32)
+
+
+class Recorder:
+    """Evaluates a jaxpr and accumulates ``Stat`` for every site it passes."""
+
+    def __init__(self, sites: dict[tuple, Site], stats: dict, clock: Any, iteration: Any):
+        self.sites = sites
+        self.stats = stats
+        self.clock = clock
+        self.iteration = iteration
+
+    # -- packing the statistics of some sites into loop carries -------------------
+    def pack(self, keys: Sequence[tuple]) -> tuple[Any, Any]:
+        rows = [self.stats.get(key, EMPTY) for key in keys]
+        floats = [jnp.stack([jnp.asarray(r[i], jnp.float32) for i in range(2)]) for r in rows]
+        ints = [jnp.stack([jnp.asarray(v, jnp.int32) for v in r[_FLOAT_FIELDS:]]) for r in rows]
+        return (
+            jnp.stack(floats) if rows else jnp.zeros((0, 2), jnp.float32),
+            jnp.stack(ints) if rows else jnp.zeros((0, 5), jnp.int32),
+        )
+
+    def unpack(self, keys: Sequence[tuple], packed: tuple[Any, Any]) -> None:
+        floats, ints = packed
+        for row, key in enumerate(keys):
+            self.stats[key] = Stat(*(floats[row, i] for i in range(2)), *ints[row])
+
+    def child(self, keys, packed, clock, iteration) -> Recorder:
+        sub = Recorder(self.sites, {}, clock, iteration)
+        sub.unpack(keys, packed)
+        return sub
+
+    def keys_under(self, prefix: tuple) -> list[tuple]:
+        return [key for key in self.sites if key[0][: len(prefix)] == prefix]
+
+    # -- evaluation ----------------------------------------------------------------
+    def run(self, closed, args: Sequence[tuple], path: tuple) -> list[tuple]:
+        positions = {id(eqn): i for i, eqn in enumerate(closed.jaxpr.eqns)}
+
+        def apply(eqn, ins):
+            return self.equation(eqn, ins, path, positions[id(eqn)])
+
+        return eval_jaxpr(closed, args, apply, lift=lambda c: (c, all_finite_flag(c)))
+
+    def equation(self, eqn, ins, path, index) -> list[tuple]:
+        kind = structure_of(eqn)
+        sub_path = path + ((index, 0),)
+        if kind == INLINE:
+            return self.run(inline_jaxpr(eqn), ins, sub_path)
+        if kind in _HANDLERS:
+            return _HANDLERS[kind](self, eqn, ins, path, index)
+        return self.measure(eqn, ins, path, index)
+
+    def measure(self, eqn, ins, path, index) -> list[tuple]:
+        values = [v for v, _ in ins]
+        inputs_finite = _and_all([flag for _, flag in ins])
+        outs = compat.bind_eqn(eqn, values)
+        shadows = _shadow.float32_outputs(eqn, values, outs)
+        pairs = []
+        for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
+            key = (path, index, k)
+            if key not in self.sites:
+                pairs.append((out, all_finite_flag(out)))
+                continue
+            nonfinite = jnp.sum(jnp.logical_not(jnp.isfinite(out)), dtype=jnp.int32)
+            self._update(key, out, shadow, nonfinite, inputs_finite)
+            pairs.append((out, nonfinite == 0))
+        self.clock = self.clock + 1
+        return pairs
+
+    def _update(self, key, out, shadow, nonfinite, inputs_finite) -> None:
+        old = self.stats.get(key, EMPTY)
+        max_abs = _finite_max(out)
+        if shadow is None:
+            max32, underflow = max_abs, jnp.int32(0)
+        else:
+            max32, underflow = _finite_max(shadow), _underflow_count(out, shadow)
+        first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
+        first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
+        self.stats[key] = Stat(
+            jnp.maximum(old.max_abs, max_abs),
+            jnp.maximum(old.max_abs_float32, max32),
+            old.nonfinite + nonfinite,
+            old.underflow + underflow,
+            old.executions + 1,
+            jnp.where(first_origin, self.clock, old.origin_clock),
+            jnp.where(first_bad, self.iteration, old.first_nonfinite_iteration),
+        )
+
+
+def _with_flags(values: Sequence[Any]) -> list[tuple]:
+    return [(v, all_finite_flag(v)) for v in values]
+
+
+def _values(pairs: Sequence[tuple]) -> list[Any]:
+    return [v for v, _ in pairs]
+
+
+def _handle_scan(rec: Recorder, eqn, ins, path, index):
+    p = compat.scan_parts(eqn)
+    sub_path = path + ((index, 0),)
+    keys = rec.keys_under(sub_path)
+    consts = ins[: p.num_consts]
+    init = _values(ins[p.num_consts : p.num_consts + p.num_carry])
+
+    def body(carry, xs):
+        values, packed, clock, iteration = carry
+        sub = rec.child(keys, packed, clock, iteration)
+        outs = sub.run(p.jaxpr, [*consts, *_with_flags([*values, *xs])], sub_path)
+        new = (_values(outs[: p.num_carry]), sub.pack(keys), sub.clock, iteration + 1)
+        return new, _values(outs[p.num_carry :])
+
+    carry0 = (init, rec.pack(keys), rec.clock, jnp.int32(0))
+    xs = _values(ins[p.num_consts + p.num_carry :])
+    (values, packed, clock, _), ys = jax.lax.scan(
+        body, carry0, xs, length=p.length, reverse=p.reverse, unroll=p.unroll
+    )
+    rec.unpack(keys, packed)
+    rec.clock = clock
+    return _with_flags([*values, *ys])
+
+
+def _handle_while(rec: Recorder, eqn, ins, path, index):
+    p = compat.while_parts(eqn)
+    sub_path = path + ((index, 0),)
+    keys = rec.keys_under(sub_path)
+    cond_consts = _values(ins[: p.cond_nconsts])
+    body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
+
+    def cond_fun(carry):
+        # The loop condition runs as written (not measured): it decides, it does not compute.
+        return eval_jaxpr(p.cond_jaxpr, [*cond_consts, *carry[0]], compat.bind_eqn)[0]
+
+    def body_fun(carry):
+        values, packed, clock, iteration = carry
+        sub = rec.child(keys, packed, clock, iteration)
+        outs = sub.run(p.body_jaxpr, [*body_consts, *_with_flags(values)], sub_path)
+        return _values(outs), sub.pack(keys), sub.clock, iteration + 1
+
+    carry0 = (_values(ins[p.cond_nconsts + p.body_nconsts :]), rec.pack(keys), rec.clock)
+    values, packed, clock, _ = jax.lax.while_loop(cond_fun, body_fun, (*carry0, jnp.int32(0)))
+    rec.unpack(keys, packed)
+    rec.clock = clock
+    return _with_flags(values)
+
+
+def _handle_cond(rec: Recorder, eqn, ins, path, index):
+    branches = compat.cond_parts(eqn)
+    keys = [key for b in range(len(branches)) for key in rec.keys_under(path + ((index, b),))]
+
+    def make(b, branch):
+        def fun(packed, clock, values, flags):
+            sub = rec.child(keys, packed, clock, rec.iteration)
+            args = list(zip(values, flags, strict=True))
+            outs = sub.run(branch, args, path + ((index, b),))
+            return _values(outs), [f for _, f in outs], sub.pack(keys), sub.clock
+
+        return fun
+
+    operands = ins[1:]
+    values, flags, packed, clock = jax.lax.switch(
+        ins[0][0],
+        [make(b, branch) for b, branch in enumerate(branches)],
+        rec.pack(keys),
+        rec.clock,
+        _values(operands),
+        [jnp.asarray(f) for _, f in operands],
+    )
+    rec.unpack(keys, packed)
+    rec.clock = clock
+    return list(zip(values, flags, strict=True))
+
+
+_HANDLERS: dict[str, Callable] = {
+    "scan": _handle_scan,
+    "while": _handle_while,
+    "cond": _handle_cond,
+}
+
+
+def instrumented(closed, sites: Sequence[Site]) -> Callable:
+    """A jitted function of the program's arguments returning ``(floats, ints)`` per site."""
+    by_key = {site.key: site for site in sites}
+    keys = list(by_key)
+
+    def run(*args):
+        rec = Recorder(by_key, {}, jnp.int32(0), jnp.int32(-1))
+        rec.run(closed, _with_flags(args), ())
+        return rec.pack(keys)
+
+    return jax.jit(run)
