@@ -132,8 +132,12 @@ def test_padding_aligns_every_dim_and_keeps_results(name, policy):
         # Also in the backward pass. (A conv's weight-gradient conv has the batch
         # size as its channel dims, which padding channels cannot align.)
         assert_matmuls_aligned(jax.grad(lambda p, x: padded(p, x).sum()), (params, x))
-    # Zero padding adds exact zeros: same results, same gradients.
-    np.testing.assert_allclose(jax.jit(padded)(params, x), jax.jit(plain)(params, x), rtol=1e-6)
+    # Zero padding adds exact zeros: the same sums, though the backend may block
+    # a padded float32 sum differently (K=27 -> 32): equal to the rounding of a
+    # length-32 float32 sum, 32 * 2**-24 relative to the largest result.
+    out_pad, out_plain = jax.jit(padded)(params, x), jax.jit(plain)(params, x)
+    tol = 32 * 2.0**-24
+    np.testing.assert_allclose(out_pad, out_plain, rtol=tol, atol=tol * np.abs(out_plain).max())
     if name != "mlp":
         return  # (compile time: the gradients are compared on the MLP)
     g_pad = jax.jit(jax.grad(lambda p, x: padded(p, x).sum()))(params, x)

@@ -124,12 +124,12 @@ def eqn_has_subjaxprs(eqn: jex.JaxprEqn) -> bool:
 class JitParts(NamedTuple):
     jaxpr: jex.ClosedJaxpr
     name: str
-    inline: bool
+    inline: Any  # bool, or jax 0.12's Inline enum: passed back to jax.jit as it is
 
 
 def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
     p = eqn.params
-    return JitParts(as_closed(p["jaxpr"]), str(p.get("name", "jit")), bool(p.get("inline", False)))
+    return JitParts(as_closed(p["jaxpr"]), str(p.get("name", "jit")), p.get("inline", False))
 
 
 def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
@@ -182,10 +182,20 @@ class ScanParts(NamedTuple):
 
 def scan_parts(eqn: jex.JaxprEqn) -> ScanParts:
     p = eqn.params
+    if "num_consts" in p:  # jax < 0.12
+        num_consts, num_carry = int(p["num_consts"]), int(p["num_carry"])
+    else:  # jax 0.12: ft_in is a flat tree (consts, carry, xs); len() counts operands
+        consts, carry, xs = p["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carry)
+        if num_consts + num_carry + len(xs) != len(eqn.invars):
+            raise NotImplementedError(
+                f"jaxamp does not understand this jax's scan parameters: ft_in={p['ft_in']!r} "
+                f"for {len(eqn.invars)} operands."
+            )
     return ScanParts(
         as_closed(p["jaxpr"]),
-        int(p["num_consts"]),
-        int(p["num_carry"]),
+        num_consts,
+        num_carry,
         int(p["length"]),
         bool(p["reverse"]),
         p.get("unroll", 1),
