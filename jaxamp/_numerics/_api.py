@@ -120,7 +120,7 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
     n_first = sum(isinstance(x, _ARRAY_TYPES) for x in jax.tree.leaves(args[:1]))
     wrt = [i for i in range(n_first) if is_floating(dynamic[i])]
     if not args or not wrt:
-        got = type(args[0]).__name__ if args else "no arguments"
+        got = _describe(args[0]) if args else "no arguments"
         raise TypeError(
             "numerics_report(grad=True) differentiates with respect to the floating "
             f"arrays of the first argument, and it has none (got {got}). Pass the "
@@ -130,7 +130,7 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
     if not (is_floating(out) and getattr(out, "shape", None) == ()):
         raise TypeError(
             "numerics_report(grad=True) needs fun to return a floating scalar loss; got "
-            f"{jax.tree.map(lambda x: f'{x.dtype}{list(x.shape)}', out)}. Reduce the "
+            f"{_describe(out)}. Reduce the "
             "output to a scalar (e.g. jnp.mean) or pass grad=False."
         )
 
@@ -147,6 +147,16 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
         return loss, backward(seed)
 
     return program, [*dynamic, jnp.asarray(scale, out.dtype)]
+
+
+def _describe(tree: Any) -> str:
+    def one(x):
+        if hasattr(x, "dtype") and hasattr(x, "shape"):
+            return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+        return type(x).__name__
+
+    leaves = jax.tree.leaves(tree)
+    return str(jax.tree.map(one, tree)) if len(leaves) != 1 else one(leaves[0])
 
 
 def _summarise(sites: list[Site], floats, ints, scale: float | None) -> NumericsReport:
