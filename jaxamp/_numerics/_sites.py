@@ -116,7 +116,8 @@ def catalog(
     are primal results (the loss), the rest being gradients.
     """
     sites: list[Site] = []
-    where = _Where((), False, list(primal))
+    # Without a seed (no gradient) every op is forward, dead code included.
+    where = _Where((), False, list(primal) if any(tainted) else [True] * len(primal))
     _visit(closed.jaxpr, list(tainted), where, sites)
     return sites
 
@@ -124,12 +125,14 @@ def catalog(
 class _Where(NamedTuple):
     path: tuple
     in_loop: bool
-    live_outs: list[bool]  # which outputs of this jaxpr the primal results need
+    live_outs: list[bool]  # which outputs of this jaxpr the primal results need (or all)
 
 
 def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[bool]) -> list[list[bool]]:
     """Per equation, which of its outputs the primal results need (backward liveness)."""
     live = {v for v, keep in zip(jaxpr.outvars, live_outs, strict=True) if keep}
+    if all(live_outs):
+        return [[True] * len(eqn.outvars) for eqn in jaxpr.eqns]
     per_eqn = []
     for eqn in reversed(jaxpr.eqns):
         outs = [isinstance(v, jex.Var) and v in live for v in eqn.outvars]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -132,8 +133,8 @@ class NumericsReport:
         lines += _table(flushed) if flushed else []
         if self.suggested_loss_scale is not None:
             lines.append(
-                f"suggested loss scale: {self.suggested_loss_scale:g} "
-                f"(largest without backward overflow {self.max_loss_scale:g}, "
+                f"suggested loss scale: {_power(self.suggested_loss_scale)} "
+                f"(largest without backward overflow {_power(self.max_loss_scale)}, "
                 f"safety factor {SAFETY_FACTOR}; measured at loss scale {self.loss_scale:g})"
             )
         if len(self.ops) > _ROWS:
@@ -142,6 +143,10 @@ class NumericsReport:
 
 
 SAFETY_FACTOR = 8
+
+
+def _power(scale: float) -> str:
+    return f"2**{math.log2(scale):g} = {scale:g}"
 
 
 def _short_path(source: str) -> str:
