@@ -1,11 +1,12 @@
 """The traced half of the numerics report: run the program and measure every site.
 
 ``Recorder.run`` evaluates a closed jaxpr with jaxamp's one evaluation loop
-(``_autocast._interpreter.eval_jaxpr``). Environment values are ``(array,
-finite)`` pairs, where ``finite`` is a traced bool saying the array holds no
-inf/NaN, so an equation knows whether its inputs were finite without measuring
-them again. Each first-order equation runs as written (``compat.bind_eqn``) and
-each of its floating outputs updates its site's statistics, which are traced
+(``_autocast._interpreter.eval_jaxpr``). Environment values are ``Val(value,
+finite, shadow)``: ``finite`` is a traced bool saying the array holds no inf/NaN
+(so an equation knows whether its inputs were finite without measuring them
+again) and ``shadow`` the value in float32 arithmetic (``_shadow``). Each
+first-order equation runs as written (``compat.bind_eqn``), its shadow next to
+it, and each floating output updates its site's statistics, which are traced
 scalars: the whole instrumented program runs under one ``jax.jit``.
 
 Loops carry the statistics of the sites in their body (packed into two arrays)
@@ -26,7 +27,7 @@ import numpy as np
 from jaxamp._autocast import _compat as compat
 from jaxamp._autocast._interpreter import eval_jaxpr
 from jaxamp._casting import is_floating
-from jaxamp._numerics import _shadow
+from jaxamp._numerics._shadow import Val, materialize, shadow_outputs
 from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
 
 __all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
@@ -38,9 +39,9 @@ class Stat(NamedTuple):
     """The running statistics of one site (traced scalars)."""
 
     max_abs: Any  # float32: largest finite magnitude
-    max_abs_float32: Any  # float32: the same, of the op computed in float32
+    max_abs_float32: Any  # float32: the same, of the float32 shadow
     nonfinite: Any  # int32: inf/NaN values
-    underflow: Any  # int32: values flushed to zero/subnormal by the 16-bit dtype
+    underflow: Any  # int32: zero/subnormal values whose shadow is normal
     executions: Any  # int32: how often the equation ran
     origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
     first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
@@ -110,15 +111,15 @@ class Recorder:
         return [key for key in self.sites if key[0][: len(prefix)] == prefix]
 
     # -- evaluation ----------------------------------------------------------------
-    def run(self, closed, args: Sequence[tuple], path: tuple) -> list[tuple]:
+    def run(self, closed, args: Sequence[Val], path: tuple) -> list[Val]:
         positions = {id(eqn): i for i, eqn in enumerate(closed.jaxpr.eqns)}
 
         def apply(eqn, ins):
             return self.equation(eqn, ins, path, positions[id(eqn)])
 
-        return eval_jaxpr(closed, args, apply, lift=lambda c: (c, all_finite_flag(c)))
+        return eval_jaxpr(closed, args, apply, lift=lambda c: Val(c, all_finite_flag(c)))
 
-    def equation(self, eqn, ins, path, index) -> list[tuple]:
+    def equation(self, eqn, ins, path, index) -> list[Val]:
         kind = structure_of(eqn)
         sub_path = path + ((index, 0),)
         if kind == INLINE:
@@ -127,22 +128,21 @@ class Recorder:
             return _HANDLERS[kind](self, eqn, ins, path, index)
         return self.measure(eqn, ins, path, index)
 
-    def measure(self, eqn, ins, path, index) -> list[tuple]:
-        values = [v for v, _ in ins]
-        inputs_finite = _and_all([flag for _, flag in ins])
-        outs = compat.bind_eqn(eqn, values)
-        shadows = _shadow.float32_outputs(eqn, values, outs)
-        pairs = []
+    def measure(self, eqn, ins: Sequence[Val], path, index) -> list[Val]:
+        inputs_finite = _and_all([v.finite for v in ins])
+        outs = compat.bind_eqn(eqn, [v.value for v in ins])
+        shadows = shadow_outputs(eqn, ins, outs)
+        vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
             key = (path, index, k)
             if key not in self.sites:
-                pairs.append((out, all_finite_flag(out)))
+                vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
             nonfinite = jnp.sum(jnp.logical_not(jnp.isfinite(out)), dtype=jnp.int32)
             self._update(key, out, shadow, nonfinite, inputs_finite)
-            pairs.append((out, nonfinite == 0))
+            vals.append(Val(out, nonfinite == 0, shadow))
         self.clock = self.clock + 1
-        return pairs
+        return vals
 
     def _update(self, key, out, shadow, nonfinite, inputs_finite) -> None:
         old = self.stats.get(key, EMPTY)
@@ -164,12 +164,16 @@ class Recorder:
         )
 
 
-def _with_flags(values: Sequence[Any]) -> list[tuple]:
-    return [(v, all_finite_flag(v)) for v in values]
+def _vals(values: Sequence[Any], shadows: Sequence[Any]) -> list[Val]:
+    return [Val(v, all_finite_flag(v), s) for v, s in zip(values, shadows, strict=True)]
 
 
-def _values(pairs: Sequence[tuple]) -> list[Any]:
-    return [v for v, _ in pairs]
+def _values(vals: Sequence[Val]) -> list[Any]:
+    return [v.value for v in vals]
+
+
+def _shadows(vals: Sequence[Val]) -> list[Any]:
+    return [materialize(v) for v in vals]
 
 
 def _handle_scan(rec: Recorder, eqn, ins, path, index):
@@ -177,23 +181,30 @@ def _handle_scan(rec: Recorder, eqn, ins, path, index):
     sub_path = path + ((index, 0),)
     keys = rec.keys_under(sub_path)
     consts = ins[: p.num_consts]
-    init = _values(ins[p.num_consts : p.num_consts + p.num_carry])
+    init = ins[p.num_consts : p.num_consts + p.num_carry]
 
     def body(carry, xs):
-        values, packed, clock, iteration = carry
+        values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
-        outs = sub.run(p.jaxpr, [*consts, *_with_flags([*values, *xs])], sub_path)
-        new = (_values(outs[: p.num_carry]), sub.pack(keys), sub.clock, iteration + 1)
-        return new, _values(outs[p.num_carry :])
+        args = [*consts, *_vals(values, shadows), *_vals(*xs)]
+        outs = sub.run(p.jaxpr, args, sub_path)
+        carried, ys = outs[: p.num_carry], outs[p.num_carry :]
+        new = (_values(carried), _shadows(carried), sub.pack(keys), sub.clock, iteration + 1)
+        return new, (_values(ys), _shadows(ys))
 
-    carry0 = (init, rec.pack(keys), rec.clock, jnp.int32(0))
-    xs = _values(ins[p.num_consts + p.num_carry :])
-    (values, packed, clock, _), ys = jax.lax.scan(
-        body, carry0, xs, length=p.length, reverse=p.reverse, unroll=p.unroll
+    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
+    xs = ins[p.num_consts + p.num_carry :]
+    (values, shadows, packed, clock, _), ys = jax.lax.scan(
+        body,
+        carry0,
+        (_values(xs), _shadows(xs)),
+        length=p.length,
+        reverse=p.reverse,
+        unroll=p.unroll,
     )
     rec.unpack(keys, packed)
     rec.clock = clock
-    return _with_flags([*values, *ys])
+    return [*_vals(values, shadows), *_vals(*ys)]
 
 
 def _handle_while(rec: Recorder, eqn, ins, path, index):
@@ -202,22 +213,23 @@ def _handle_while(rec: Recorder, eqn, ins, path, index):
     keys = rec.keys_under(sub_path)
     cond_consts = _values(ins[: p.cond_nconsts])
     body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
+    init = ins[p.cond_nconsts + p.body_nconsts :]
 
     def cond_fun(carry):
         # The loop condition runs as written (not measured): it decides, it does not compute.
         return eval_jaxpr(p.cond_jaxpr, [*cond_consts, *carry[0]], compat.bind_eqn)[0]
 
     def body_fun(carry):
-        values, packed, clock, iteration = carry
+        values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
-        outs = sub.run(p.body_jaxpr, [*body_consts, *_with_flags(values)], sub_path)
-        return _values(outs), sub.pack(keys), sub.clock, iteration + 1
+        outs = sub.run(p.body_jaxpr, [*body_consts, *_vals(values, shadows)], sub_path)
+        return _values(outs), _shadows(outs), sub.pack(keys), sub.clock, iteration + 1
 
-    carry0 = (_values(ins[p.cond_nconsts + p.body_nconsts :]), rec.pack(keys), rec.clock)
-    values, packed, clock, _ = jax.lax.while_loop(cond_fun, body_fun, (*carry0, jnp.int32(0)))
+    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
+    values, shadows, packed, clock, _ = jax.lax.while_loop(cond_fun, body_fun, carry0)
     rec.unpack(keys, packed)
     rec.clock = clock
-    return _with_flags(values)
+    return _vals(values, shadows)
 
 
 def _handle_cond(rec: Recorder, eqn, ins, path, index):
@@ -225,26 +237,28 @@ def _handle_cond(rec: Recorder, eqn, ins, path, index):
     keys = [key for b in range(len(branches)) for key in rec.keys_under(path + ((index, b),))]
 
     def make(b, branch):
-        def fun(packed, clock, values, flags):
+        def fun(packed, clock, values, flags, shadows):
             sub = rec.child(keys, packed, clock, rec.iteration)
-            args = list(zip(values, flags, strict=True))
+            args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
             outs = sub.run(branch, args, path + ((index, b),))
-            return _values(outs), [f for _, f in outs], sub.pack(keys), sub.clock
+            flags = [v.finite for v in outs]
+            return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
 
         return fun
 
     operands = ins[1:]
-    values, flags, packed, clock = jax.lax.switch(
-        ins[0][0],
+    values, flags, shadows, packed, clock = jax.lax.switch(
+        ins[0].value,
         [make(b, branch) for b, branch in enumerate(branches)],
         rec.pack(keys),
         rec.clock,
         _values(operands),
-        [jnp.asarray(f) for _, f in operands],
+        [jnp.asarray(v.finite) for v in operands],
+        _shadows(operands),
     )
     rec.unpack(keys, packed)
     rec.clock = clock
-    return list(zip(values, flags, strict=True))
+    return [Val(*v) for v in zip(values, flags, shadows, strict=True)]
 
 
 _HANDLERS: dict[str, Callable] = {
@@ -261,7 +275,7 @@ def instrumented(closed, sites: Sequence[Site]) -> Callable:
 
     def run(*args):
         rec = Recorder(by_key, {}, jnp.int32(0), jnp.int32(-1))
-        rec.run(closed, _with_flags(args), ())
+        rec.run(closed, _vals(args, [None] * len(args)), ())
         return rec.pack(keys)
 
     return jax.jit(run)
