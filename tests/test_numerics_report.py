@@ -237,9 +237,7 @@ def test_flax_nnx_haiku_and_equinox_models():
     def nnx_loss(state, x):
         return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)  # nnx line
 
-    _mlp_loss_checks(
-        jaxamp.numerics_report(nnx_loss, state, x, policy="mixed_float16", grad=True)
-    )
+    _mlp_loss_checks(jaxamp.numerics_report(nnx_loss, state, x, policy="mixed_float16", grad=True))
 
     net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(2)(x)))
     params = net.init(jax.random.key(1), x)

@@ -17,7 +17,7 @@ from jaxamp._numerics._sites import Site, catalog
 from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
 from jaxamp._policy import get_policy
 
-__all__ = ["numerics_report"]
+__all__ = ["numerics_report", "prepare"]
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
@@ -68,6 +68,17 @@ def numerics_report(
     >>> report.first_nonfinite.primitive  # 1200**2 overflows float16
     'integer_pow'
     """
+    run, inputs, finish = prepare(fun, args, kwargs, policy, grad, loss_scale)
+    return finish(*jax.device_get(run(*inputs)))
+
+
+def prepare(fun, args, kwargs, policy, grad, loss_scale) -> tuple[Callable, list, Callable]:
+    """``(run, inputs, finish)``: ``finish(*run(*inputs))`` is the report.
+
+    ``run`` is the jitted, instrumented program (what ``benchmarks/numerics_cost.py``
+    times against a plain ``value_and_grad``); ``finish`` turns its statistics
+    (host arrays) into a :class:`NumericsReport`.
+    """
     if not callable(fun):
         raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
     scale = _check_loss_scale(loss_scale, grad)
@@ -93,8 +104,11 @@ def numerics_report(
         tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
     primal = [not grad or i == 0 for i in range(len(closed.jaxpr.outvars))]
     sites = catalog(closed, tainted, primal)
-    floats, ints = jax.device_get(instrumented(closed, sites)(*inputs))
-    return _summarise(sites, np.asarray(floats), np.asarray(ints), scale if grad else None)
+
+    def finish(floats, ints) -> NumericsReport:
+        return _summarise(sites, np.asarray(floats), np.asarray(ints), scale if grad else None)
+
+    return instrumented(closed, sites), inputs, finish
 
 
 def _check_loss_scale(loss_scale: Any, grad: bool) -> float:

@@ -64,18 +64,69 @@ def _and_all(flags: Sequence[Any]) -> Any:
     return out
 
 
-def _finite_max(x: Any) -> Any:
-    magnitude = jnp.abs(x)
-    finite = jnp.where(jnp.isfinite(x), magnitude, jnp.zeros((), x.dtype))
-    return jnp.max(finite, initial=0).astype(jnp.float32)
+def _finite_abs(x: Any) -> Any:
+    finite = jnp.isfinite(x)
+    return jnp.where(finite, jnp.abs(x), jnp.zeros((), x.dtype)).astype(jnp.float32), finite
 
 
-def _underflow_count(out: Any, shadow: Any) -> Any:
-    # Zero or subnormal in the output dtype, normal in float32 arithmetic.
-    tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
-    flushed = jnp.abs(out) < tiny
-    normal32 = jnp.abs(shadow) >= np.float32(jnp.finfo(jnp.float32).tiny)
-    return jnp.sum(jnp.logical_and(flushed, normal32), dtype=jnp.int32)
+def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
+    """``(max_abs, max_abs of the shadow, inf/NaN count, underflow count)`` of one output.
+
+    One variadic reduction: XLA compiles one kernel per output instead of four, which
+    keeps the compile time of a large instrumented program in proportion.
+    """
+    magnitude, finite = _finite_abs(out)
+    nonfinite = jnp.logical_not(finite).astype(jnp.int32)
+    if shadow is None:
+        wide, underflow = magnitude, jnp.zeros(out.shape, jnp.int32)
+    else:
+        wide, _ = _finite_abs(shadow)
+        # Zero or subnormal in the output dtype, normal in float32 arithmetic.
+        tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
+        flushed = jnp.abs(out) < tiny
+        normal32 = jnp.abs(shadow) >= np.asarray(jnp.finfo(jnp.float32).tiny, shadow.dtype)
+        underflow = jnp.logical_and(flushed, normal32).astype(jnp.int32)
+
+    def combine(a, b):
+        return (
+            jnp.maximum(a[0], b[0]),
+            jnp.maximum(a[1], b[1]),
+            a[2] + b[2],
+            a[3] + b[3],
+        )
+
+    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0))
+    dims = tuple(range(out.ndim))
+    return tuple(jax.lax.reduce((magnitude, wide, nonfinite, underflow), zeros, combine, dims))
+
+
+# Primitives that move values without changing them: an output's statistics are its
+# input's, with the counts scaled by how often each value appears (broadcast).
+_SAME_VALUES = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "rev",
+        "stop_gradient",
+        "broadcast_in_dim",
+    }
+)
+
+
+def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
+    """The input's statistics for a value-preserving primitive, else None (measure)."""
+    if eqn.primitive.name not in _SAME_VALUES or len(outs) != 1 or ins[0].stats is None:
+        return None
+    source, out = ins[0].value, outs[0]
+    if np.dtype(source.dtype) != np.dtype(out.dtype):
+        return None
+    repeat = np.int32(max(out.size, 1) // max(source.size, 1))
+    max_abs, max32, nonfinite, underflow = ins[0].stats
+    return max_abs, max32, nonfinite * repeat, underflow * repeat
 
 
 class Recorder:
@@ -138,19 +189,15 @@ class Recorder:
             if key not in self.sites:
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
-            nonfinite = jnp.sum(jnp.logical_not(jnp.isfinite(out)), dtype=jnp.int32)
-            self._update(key, out, shadow, nonfinite, inputs_finite)
-            vals.append(Val(out, nonfinite == 0, shadow))
+            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow)
+            self._update(key, stats, inputs_finite)
+            vals.append(Val(out, stats[2] == 0, shadow, stats))
         self.clock = self.clock + 1
         return vals
 
-    def _update(self, key, out, shadow, nonfinite, inputs_finite) -> None:
+    def _update(self, key, stats, inputs_finite) -> None:
         old = self.stats.get(key, EMPTY)
-        max_abs = _finite_max(out)
-        if shadow is None:
-            max32, underflow = max_abs, jnp.int32(0)
-        else:
-            max32, underflow = _finite_max(shadow), _underflow_count(out, shadow)
+        max_abs, max32, nonfinite, underflow = stats
         first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
         first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
         self.stats[key] = Stat(

@@ -30,9 +30,7 @@ from jaxamp._casting import is_floating
 
 __all__ = ["NO_SHADOW", "Val", "materialize", "shadow_outputs"]
 
-NO_SHADOW = frozenset(
-    {"bitcast_convert_type", "random_bits", "random_wrap", "iota", "rng_uniform"}
-)
+NO_SHADOW = frozenset({"bitcast_convert_type", "random_bits", "random_wrap", "iota", "rng_uniform"})
 # Parameters that name an output dtype (a 16-bit one is widened in the shadow).
 _DTYPE_PARAMS = ("new_dtype", "preferred_element_type", "out_dtype", "dtype")
 # Rounding to another dtype: the shadow of the result is the shadow of the input.
@@ -40,11 +38,13 @@ _ROUNDING = frozenset({"convert_element_type", "reduce_precision"})
 
 
 class Val(NamedTuple):
-    """An environment entry: the value, whether it is all finite, its float32 shadow."""
+    """An environment entry: the value, whether it is all finite, its float32 shadow,
+    and (when it was measured) its statistics, which a reshape of it can reuse."""
 
     value: Any
     finite: Any
     shadow: Any = None
+    stats: Any = None
 
 
 def is_narrow(x: Any) -> bool:

@@ -73,7 +73,10 @@ def inline_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    dirs = {os.path.dirname(os.path.dirname(jax.__file__)), os.path.dirname(os.path.dirname(__file__))}
+    dirs = {
+        os.path.dirname(os.path.dirname(jax.__file__)),
+        os.path.dirname(os.path.dirname(__file__)),
+    }
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:
@@ -107,9 +110,7 @@ def structure_of(eqn: jex.JaxprEqn) -> str:
     return INLINE if inline_jaxpr(eqn) is not None else "op"
 
 
-def catalog(
-    closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[bool]
-) -> list[Site]:
+def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[bool]) -> list[Site]:
     """Every measured output of ``closed``, in program order.
 
     ``tainted``: which arguments are the cotangent seed; ``primal``: which outputs
