@@ -69,6 +69,15 @@ def _finite_abs(x: Any) -> Any:
     return jnp.where(finite, jnp.abs(x), jnp.zeros((), x.dtype)).astype(jnp.float32), finite
 
 
+def _lift(const: Any) -> Val:
+    # Behind a barrier, statistics of constants (masks, broadcast literals) run at run
+    # time: XLA would otherwise constant-fold their reductions, slowly, at compile time.
+    dtype = getattr(const, "dtype", None)
+    if dtype is not None and (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
+        const = jax.lax.optimization_barrier(jnp.asarray(const))
+    return Val(const, all_finite_flag(const))
+
+
 def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
     """``(max_abs, max_abs of the shadow, inf/NaN count, underflow count)`` of one output.
 
@@ -168,7 +177,7 @@ class Recorder:
         def apply(eqn, ins):
             return self.equation(eqn, ins, path, positions[id(eqn)])
 
-        return eval_jaxpr(closed, args, apply, lift=lambda c: Val(c, all_finite_flag(c)))
+        return eval_jaxpr(closed, args, apply, lift=_lift)
 
     def equation(self, eqn, ins, path, index) -> list[Val]:
         kind = structure_of(eqn)
@@ -182,6 +191,8 @@ class Recorder:
     def measure(self, eqn, ins: Sequence[Val], path, index) -> list[Val]:
         inputs_finite = _and_all([v.finite for v in ins])
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
+        if not ins:  # iota and friends: constants too (see _lift)
+            outs = list(jax.lax.optimization_barrier(outs))
         shadows = shadow_outputs(eqn, ins, outs)
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
