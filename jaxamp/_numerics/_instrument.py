@@ -181,7 +181,7 @@ class Recorder:
 
     def equation(self, eqn, ins, path, index) -> list[Val]:
         kind = structure_of(eqn)
-        sub_path = path + ((index, 0),)
+        sub_path = (*path, (index, 0))
         if kind == INLINE:
             return self.run(inline_jaxpr(eqn), ins, sub_path)
         if kind in _HANDLERS:
@@ -236,7 +236,7 @@ def _shadows(vals: Sequence[Val]) -> list[Any]:
 
 def _handle_scan(rec: Recorder, eqn, ins, path, index):
     p = compat.scan_parts(eqn)
-    sub_path = path + ((index, 0),)
+    sub_path = (*path, (index, 0))
     keys = rec.keys_under(sub_path)
     consts = ins[: p.num_consts]
     init = ins[p.num_consts : p.num_consts + p.num_carry]
@@ -267,7 +267,7 @@ def _handle_scan(rec: Recorder, eqn, ins, path, index):
 
 def _handle_while(rec: Recorder, eqn, ins, path, index):
     p = compat.while_parts(eqn)
-    sub_path = path + ((index, 0),)
+    sub_path = (*path, (index, 0))
     keys = rec.keys_under(sub_path)
     cond_consts = _values(ins[: p.cond_nconsts])
     body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
@@ -292,13 +292,13 @@ def _handle_while(rec: Recorder, eqn, ins, path, index):
 
 def _handle_cond(rec: Recorder, eqn, ins, path, index):
     branches = compat.cond_parts(eqn)
-    keys = [key for b in range(len(branches)) for key in rec.keys_under(path + ((index, b),))]
+    keys = [key for b in range(len(branches)) for key in rec.keys_under((*path, (index, b)))]
 
     def make(b, branch):
         def fun(packed, clock, values, flags, shadows):
             sub = rec.child(keys, packed, clock, rec.iteration)
             args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
-            outs = sub.run(branch, args, path + ((index, b),))
+            outs = sub.run(branch, args, (*path, (index, b)))
             flags = [v.finite for v in outs]
             return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
 

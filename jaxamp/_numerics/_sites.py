@@ -149,7 +149,9 @@ def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list
     def read(atom):
         return isinstance(atom, jex.Var) and taint.get(atom, False)
 
-    for index, (eqn, live) in enumerate(zip(jaxpr.eqns, _live_eqns(jaxpr, where.live_outs))):
+    for index, (eqn, live) in enumerate(
+        zip(jaxpr.eqns, _live_eqns(jaxpr, where.live_outs), strict=True)
+    ):
         ins = [read(atom) for atom in eqn.invars]
         outs = _visit_eqn(eqn, ins, where._replace(live_outs=live), index, sites)
         taint.update(zip(eqn.outvars, outs, strict=True))
@@ -159,7 +161,7 @@ def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list
 def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
     kind = structure_of(eqn)
     path = where.path
-    inner = _Where(path + ((index, 0),), where.in_loop, where.live_outs)
+    inner = _Where((*path, (index, 0)), where.in_loop, where.live_outs)
     if kind == INLINE:
         return _visit(inline_jaxpr(eqn).jaxpr, ins, inner, sites)
     if kind in _BODIES:
@@ -188,7 +190,7 @@ def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
 
 def _body_where(where: _Where, index: int, n_outs: int) -> _Where:
     # A loop body runs for the primal results if the loop does (any output).
-    return _Where(where.path + ((index, 0),), True, [any(where.live_outs)] * n_outs)
+    return _Where((*where.path, (index, 0)), True, [any(where.live_outs)] * n_outs)
 
 
 def _visit_scan(eqn, ins, where, index, sites):
@@ -219,7 +221,7 @@ def _visit_while(eqn, ins, where, index, sites):
 
 def _visit_cond(eqn, ins, where, index, sites):
     outs = [
-        _visit(branch.jaxpr, ins[1:], where._replace(path=where.path + ((index, b),)), sites)
+        _visit(branch.jaxpr, ins[1:], where._replace(path=(*where.path, (index, b))), sites)
         for b, branch in enumerate(compat.cond_parts(eqn))
     ]
     return [any(flags) for flags in zip(*outs, strict=True)]
