@@ -4,7 +4,8 @@
 ``jax.jit``: every floating op also computes its statistics (max, inf/NaN count,
 underflow count) and a float32 shadow of every 16-bit value. This script measures
 what that costs on the GPT of ``benchmarks/_models.py`` under
-``jaxamp.autocast(loss, "mixed_float16")``, for a small and a larger config:
+``jaxamp.autocast(loss, "mixed_float16")``, for a small and a larger config
+(``--smoke``: a 2-layer MLP):
 
 - ``run``: the compiled instrumented program vs the compiled
   ``jax.jit(jax.value_and_grad(loss))``, both on the same params and batch, timed
@@ -36,7 +37,6 @@ CONFIGS = {
     ),
     "larger": _models.GPTConfig(n_layers=2),
 }
-SMOKE_CONFIG = _models.GPTConfig(vocab=32, seq=8, d_model=16, n_heads=2, d_ff=32, n_layers=1)
 
 
 def _timed(fn: Any, *args: Any) -> float:
@@ -45,10 +45,20 @@ def _timed(fn: Any, *args: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure(name: str, config: _models.GPTConfig, repeats: int) -> dict[str, Any]:
+def _workload(name: str) -> tuple[Any, Any, Any, int]:
+    """``(loss, params, batch, parameter count)``; ``smoke`` is a 2-layer MLP (seconds)."""
+    if name == "smoke":
+        params = _models.mlp_params(4)
+        return _models.mlp_loss, params, _models.mlp_batch(), 2 * 16 * 17
+    config = CONFIGS[name]
     model = _models.GPT(config)
     params, batch = _models.gpt_init(model, config), _models.gpt_batch(config)
-    loss = jaxamp.autocast(_models.gpt_loss_fn(model), POLICY)
+    return _models.gpt_loss_fn(model), params, batch, config.n_params()
+
+
+def measure(name: str, repeats: int) -> dict[str, Any]:
+    fun, params, batch, n_params = _workload(name)
+    loss = jaxamp.autocast(fun, POLICY)
 
     start = time.perf_counter()
     plain = jax.jit(jax.value_and_grad(loss))
@@ -68,7 +78,7 @@ def measure(name: str, config: _models.GPTConfig, repeats: int) -> dict[str, Any
     plain_s, instrumented_s = (_harness.median(times[k]) for k in ("plain", "instrumented"))
     return {
         "model": name,
-        "n_params": config.n_params(),
+        "n_params": n_params,
         "ops_measured": len(report.ops),
         "plain_run_s": plain_s,
         "instrumented_run_s": instrumented_s,
@@ -103,14 +113,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     args = _harness.parse_args(__doc__.split("\n\n")[0], argv, extra)
     repeats = args.repeats or (3 if args.smoke else 10)
-    configs = {"smoke": SMOKE_CONFIG} if args.smoke else CONFIGS
-    results = [measure(name, config, repeats) for name, config in configs.items()]
+    names = ["smoke"] if args.smoke else list(CONFIGS)
+    results = [measure(name, repeats) for name in names]
     print(table(results))
-    config = {
-        "policy": POLICY,
-        "repeats": repeats,
-        "configs": {k: vars(c) for k, c in configs.items()},
-    }
+    configs = {k: vars(c) for k, c in CONFIGS.items() if k in names}
+    config = {"policy": POLICY, "repeats": repeats, "configs": configs}
     return _harness.save(NAME, NAME, args, config, results)
 
 

@@ -182,7 +182,7 @@ def test_numerics_cost_smoke(tmp_path, capsys):
     out = tmp_path / "numerics.json"
     numerics_cost.main(["--smoke", "--out", str(out)])
     (result,) = _load(out)["results"]
-    assert result["model"] == "smoke" and result["ops_measured"] > 100
+    assert result["model"] == "smoke" and result["ops_measured"] > 20
     for key in ("plain_run_s", "instrumented_run_s", "run_ratio", "first_call_ratio"):
         assert _positive(result[key]), key
     assert result["run_ratio"] == result["instrumented_run_s"] / result["plain_run_s"]
