@@ -236,6 +236,7 @@ COLORS = {
     "mixed_float16": "C2",
     "mixed_float16_no_scaling": "C3",
     "autocast_bfloat16": "C4",
+    "mixed_float16_suggested_scale": "C5",
 }
 
 

@@ -12,6 +12,13 @@ dividing the gradients by it after, in float32) brings them back into float16's
 range; ``DynamicLossScale`` finds such a scale by itself. bfloat16 has float32's
 exponent range and does not underflow.
 
+Before training, ``jaxamp.numerics_report`` measures one float16 gradient step of
+the untrained CNN with no loss scale: per layer (source line), the share of
+gradient values that float16 flushes to zero while float32 keeps them, and the
+loss scale it suggests (the largest power of two with no overflow in the scaled
+backward pass, divided by 8). The setup ``mixed_float16_suggested_scale`` trains
+with that scale as a ``StaticLossScale``.
+
 The script prints, for each setup, the fraction of gradient entries that are
 exactly zero (of the gradients the backward pass produced, i.e. of the scaled
 loss where there is a scale), test accuracy and final loss, and writes
@@ -28,12 +35,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flax import nnx
+
+import jaxamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # the examples folder is not a package: import by path
 import digits
 
-SETUPS = ["float32", "mixed_bfloat16", "mixed_float16_no_scaling", "mixed_float16"]
+SETUPS = [
+    "float32",
+    "mixed_bfloat16",
+    "mixed_float16_no_scaling",
+    "mixed_float16",
+    "mixed_float16_suggested_scale",
+]
+SUGGESTED = "mixed_float16_suggested_scale"
 DEFAULT_LOSS_WEIGHT = 2.0**-20
 
 COLUMNS = [
@@ -66,6 +83,50 @@ def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
         }
         for r in rows
     ]
+
+
+def measure_underflow(data: dict, batch_size: int, seed: int, weight: float) -> dict[str, Any]:
+    """numerics_report of one float16 gradient step of the untrained CNN, loss scale 1.
+
+    Returns the report, its suggested loss scale and one row per layer: the
+    float16 cotangents (gradient values) attributed to that source line and the
+    share of them flushed to zero where float32 arithmetic keeps them normal.
+    """
+    model = digits.CNN(jaxamp.get_policy("mixed_float16"), rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model)
+
+    def loss(params, x, y):
+        return digits.cross_entropy(nnx.merge(graphdef, params), x, y, weight)
+
+    x, y = data["x_train"][:batch_size], data["y_train"][:batch_size]
+    report = jaxamp.numerics_report(loss, params, x, y, grad=True)
+    layers: dict[str, list[float]] = {}
+    for op in report.ops:
+        if op.scaled and np.dtype(op.dtype).itemsize == 2:  # float16 cotangents
+            size = float(np.prod(op.shape)) * op.executions
+            flushed, total = layers.setdefault(op.source, [0.0, 0.0])
+            layers[op.source] = [flushed + op.underflow_fraction * size, total + size]
+    rows = [
+        {
+            "layer": f"`{_code_at(source)}`",
+            "line": source.rsplit(":", 1)[1],
+            "flushed": f"{100 * flushed / total:.1f}%",
+        }
+        for source, (flushed, total) in layers.items()
+    ]
+    return {"report": report, "scale": report.suggested_loss_scale, "rows": rows, "layers": layers}
+
+
+def _code_at(source: str) -> str:
+    path, _, line = source.rpartition(":")
+    return Path(path).read_text().splitlines()[int(line) - 1].strip()
+
+
+LAYER_COLUMNS = [
+    ("layer", "source line (digits.py)"),
+    ("line", "line"),
+    ("flushed", "float16 gradient values flushed to 0"),
+]
 
 
 def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) -> None:
@@ -132,11 +193,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"underflow: digits CNN, loss x {weight}, Adam, {args.steps} steps of "
         f"batch {args.batch_size}"
     )
+    measured = measure_underflow(data, args.batch_size, args.seed, args.loss_weight)
+    layer_table = _common.markdown_table(measured["rows"], LAYER_COLUMNS)
+    print(layer_table)
+    print(f"suggested loss scale: {measured['scale']:g}")
     rows, histories = [], {}
     for setup in args.setups:
+        suggested = setup == SUGGESTED
         row, hist = digits.train(
-            setup,
+            "mixed_float16" if suggested else setup,
             data,
+            loss_scale=jaxamp.StaticLossScale(measured["scale"]) if suggested else None,
             steps=args.steps,
             batch_size=args.batch_size,
             seed=args.seed,
@@ -144,7 +211,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             loss_weight=args.loss_weight,
             show_progress=not args.no_progress,
         )
-        rows.append({**row, "history": hist})
+        row["setup"] = setup
+        rows.append({**row, "history": hist, "measured": measured})
         histories[setup] = hist
     table = _common.markdown_table(display_rows(rows), COLUMNS)
     print(table)
@@ -156,6 +224,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "loss scale is used), at the first step and averaged over all steps. float32 "
         "has a few zeros of its own (ReLUs that are off for a whole batch). "
         f"Dynamic loss scaling: `DynamicLossScale(growth_interval={digits.GROWTH_INTERVAL})`."
+        f"\n\n## numerics_report: float16 gradients of the untrained CNN, loss scale 1\n\n"
+        f"`jaxamp.numerics_report(loss, params, x, y, grad=True)` on one batch, per source "
+        f"line of the model: the share of float16 gradient values (cotangents) that are "
+        f"zero or subnormal where float32 arithmetic keeps them normal.\n\n{layer_table}\n\n"
+        f"Suggested loss scale: {measured['scale']:g} (2**{np.log2(measured['scale']):g}), "
+        f"used as `StaticLossScale` by `{SUGGESTED}`."
     )
     _common.write_markdown(
         args.out / "underflow.md",

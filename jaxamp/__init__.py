@@ -25,6 +25,7 @@ from jaxamp._loss_scaling_state import (
     get_loss_scale,
     loss_scaling_metrics,
 )
+from jaxamp._numerics import NumericsReport, OpStats, numerics_report
 from jaxamp._optax import loss_scaling
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
@@ -45,6 +46,8 @@ __all__ = [
     "LossScalingState",
     "MatmulInfo",
     "NoOpLossScale",
+    "NumericsReport",
+    "OpStats",
     "Policy",
     "PrecisionReport",
     "StaticLossScale",
@@ -59,6 +62,7 @@ __all__ = [
     "get_policy",
     "loss_scaling",
     "loss_scaling_metrics",
+    "numerics_report",
     "pad_to_multiple",
     "policy_for_device",
     "precision_report",

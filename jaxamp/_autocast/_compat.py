@@ -33,6 +33,7 @@ __all__ = [
     "bind_eqn",
     "call_jaxpr",
     "cond_parts",
+    "custom_call_jaxpr",
     "custom_jvp_parts",
     "eqn_has_subjaxprs",
     "equation_context",
@@ -45,10 +46,13 @@ __all__ = [
     "scan_parts",
     "scatter_parts",
     "shard_map_parts",
+    "source_frames",
     "sub_closed_jaxprs",
     "while_parts",
 ]
 
+JIT_NAMES = ("jit",)
+REMAT_NAMES = ("remat2",)
 # Call primitives (a ``call_jaxpr`` run inline): "call" and "closed_call" up to
 # jax 0.11; jax 0.12 merged both into "eval_jaxpr".
 CALL_NAMES = ("call", "closed_call", "eval_jaxpr")
@@ -63,6 +67,9 @@ VERSION_SPECIFIC_PRIMITIVES = {
     "one_minus_square": "jax >= 0.12",
     "polynomial": "jax >= 0.12",
 }
+# custom_jvp / custom_vjp calls: the primal function is ``call_jaxpr``, taking
+# all the equation's operands.
+CUSTOM_CALL_NAMES = ("custom_jvp_call", "custom_vjp_call")
 
 
 def bind_eqn(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list[Any]:
@@ -186,6 +193,20 @@ def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
 
 def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
     return as_closed(eqn.params["call_jaxpr"])
+
+
+def custom_call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    """The primal function of a custom_jvp/custom_vjp call (its operands are the eqn's)."""
+    p = eqn.params
+    return as_closed(p["call_jaxpr"])
+
+
+def source_frames(eqn: jex.JaxprEqn) -> list[tuple[str, int]]:
+    """``(file name, line)`` of the frames that traced ``eqn``, innermost first."""
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return []
+    return [(frame.file_name, int(frame.line_num)) for frame in traceback.frames]
 
 
 class CustomJvpParts(NamedTuple):

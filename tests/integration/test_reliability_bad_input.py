@@ -222,6 +222,36 @@ CASES = [
         ["dtype", "bool"],
     ),
     (
+        "numerics_report(lambda w: w * 2, w, grad=True)",
+        lambda: jaxamp.numerics_report(lambda w: w * 2, jnp.ones(3), grad=True),
+        TypeError,
+        ["grad=True", "floating scalar", "float32[3]", "jnp.mean"],
+    ),
+    (
+        "numerics_report(loss, jnp.arange(3), grad=True)",
+        lambda: jaxamp.numerics_report(jnp.sum, jnp.arange(3), grad=True),
+        TypeError,
+        ["first argument", "floating", "int32[3]"],
+    ),
+    (
+        'numerics_report(loss, w, policy="mixed_f16")',
+        lambda: jaxamp.numerics_report(jnp.sum, jnp.ones(3), policy="mixed_f16"),
+        ValueError,
+        ["mixed_f16", "mixed_float16"],
+    ),
+    (
+        "numerics_report(loss, w, loss_scale=1024.0)",
+        lambda: jaxamp.numerics_report(jnp.sum, jnp.ones(3), loss_scale=1024.0),
+        ValueError,
+        ["loss_scale", "grad=True"],
+    ),
+    (
+        "numerics_report(loss, w, grad=True, loss_scale=0.0)",
+        lambda: jaxamp.numerics_report(jnp.sum, jnp.ones(3), grad=True, loss_scale=0.0),
+        ValueError,
+        ["loss_scale", "> 0", "0.0"],
+    ),
+    (
         "inject_fault(jnp.arange(3), 0, 0)",
         lambda: inject_fault(jnp.arange(3), 0, 0),
         TypeError,

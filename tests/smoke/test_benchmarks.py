@@ -19,6 +19,7 @@ from benchmarks import (
     autocast_cpu_speed,
     compile_scaling,
     gpu_speed,
+    numerics_cost,
     step_overhead,
 )
 
@@ -180,3 +181,14 @@ def test_report_renders_every_recorded_run(capsys):
     assert recorded
     for stem in recorded:
         assert f"### {stem}\n" in printed, stem
+
+
+def test_numerics_cost_smoke(tmp_path, capsys):
+    out = tmp_path / "numerics.json"
+    numerics_cost.main(["--smoke", "--out", str(out)])
+    (result,) = _load(out)["results"]
+    assert result["model"] == "smoke" and result["ops_measured"] > 20
+    for key in ("plain_run_s", "instrumented_run_s", "run_ratio", "first_call_ratio"):
+        assert _positive(result[key]), key
+    assert result["run_ratio"] == result["instrumented_run_s"] / result["plain_run_s"]
+    assert "| smoke " in capsys.readouterr().out

@@ -48,7 +48,7 @@ def digits_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def underflow_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("underflow")
-    setups = "mixed_float16_no_scaling,mixed_float16"
+    setups = "mixed_float16_no_scaling,mixed_float16,mixed_float16_suggested_scale"
     rows = run(underflow.main, ["--fast", "--no-progress", "--out", str(out), "--policies", setups])
     return rows, out
 
@@ -154,6 +154,26 @@ def test_underflow_dynamic_loss_scaling_recovers(underflow_run):
     assert rescued["loss_scale"] >= 2.0**15
     assert rescued["test_loss"] < stalled["test_loss"] - 0.1
     assert rescued["accuracy"] > stalled["accuracy"] + 0.1
+
+
+def test_underflow_numerics_report_finds_the_flush_and_a_scale_that_trains(underflow_run):
+    rows, _ = underflow_run
+    stalled, suggested = rows["mixed_float16_no_scaling"], rows["mixed_float16_suggested_scale"]
+    measured = suggested["measured"]
+    # Every layer of the CNN loses most of its float16 gradient values at loss scale 1
+    # (relu-masked zeros are zero in float32 too and do not count).
+    layers = measured["layers"]
+    assert len(layers) == 4  # conv1, conv2, dense1, dense2: the lines of digits.CNN.__call__
+    assert all(source.rsplit(":", 1)[0].endswith("digits.py") for source in layers)
+    assert all(flushed / total > 0.3 for flushed, total in layers.values())
+    report = measured["report"]
+    assert report.first_nonfinite is None and report.loss_scale == 1.0
+    scale = measured["scale"]
+    assert math.log2(scale).is_integer() and scale >= 2.0**20
+    # Trained with that scale as a StaticLossScale: no step skipped, the gradients are back.
+    assert suggested["loss_scale"] == scale and suggested["skipped"] == 0
+    assert suggested["history"]["zero_fraction"].max() < 0.5
+    assert suggested["test_loss"] < stalled["test_loss"] - 0.1
 
 
 # -- charlm -----------------------------------------------------------------------

@@ -1,0 +1,9 @@
+"""``jaxamp.numerics_report``: the range of every floating op, the origin of inf/NaN, a loss scale.
+
+See README.md in this folder for how it works and how to extend it.
+"""
+
+from jaxamp._numerics._api import numerics_report
+from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
+
+__all__ = ["SAFETY_FACTOR", "NumericsReport", "OpStats", "numerics_report"]

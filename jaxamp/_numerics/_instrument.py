@@ -1,0 +1,339 @@
+"""The traced half of the numerics report: run the program and measure every site.
+
+``Recorder.run`` evaluates a closed jaxpr with jaxamp's one evaluation loop
+(``_autocast._interpreter.eval_jaxpr``). Environment values are ``Val(value,
+finite, shadow)``: ``finite`` is a traced bool saying the array holds no inf/NaN
+(so an equation knows whether its inputs were finite without measuring them
+again) and ``shadow`` the value in float32 arithmetic (``_shadow``). Each
+first-order equation runs as written (``compat.bind_eqn``), its shadow next to
+it, and each floating output updates its site's statistics, which are traced
+scalars: the whole instrumented program runs under one ``jax.jit``.
+
+Loops carry the statistics of the sites in their body (packed into two arrays)
+together with a clock and the iteration number, and ``cond`` passes them through
+every branch, so a loop is measured over all its iterations without Python
+loops or host syncs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._autocast import _compat as compat
+from jaxamp._autocast._interpreter import eval_jaxpr
+from jaxamp._casting import is_floating
+from jaxamp._numerics._shadow import Val, materialize, shadow_outputs
+from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
+
+__all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
+
+NEVER = np.iinfo(np.int32).max  # the clock value of "no non-finite origin"
+
+
+class Stat(NamedTuple):
+    """The running statistics of one site (traced scalars)."""
+
+    max_abs: Any  # float32: largest finite magnitude
+    max_abs_float32: Any  # float32: the same, of the float32 shadow
+    nonfinite: Any  # int32: inf/NaN values
+    underflow: Any  # int32: zero/subnormal values whose shadow is normal
+    executions: Any  # int32: how often the equation ran
+    origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
+    first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
+
+
+_FLOAT_FIELDS = 2
+EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, NEVER, -1], np.int32))
+
+
+def all_finite_flag(x: Any) -> Any:
+    if not is_floating(x):
+        return jnp.bool_(True)
+    return jnp.all(jnp.isfinite(x))
+
+
+def _and_all(flags: Sequence[Any]) -> Any:
+    out = jnp.bool_(True)
+    for flag in flags:
+        out = jnp.logical_and(out, flag)
+    return out
+
+
+def _finite_abs(x: Any) -> Any:
+    finite = jnp.isfinite(x)
+    return jnp.where(finite, jnp.abs(x), jnp.zeros((), x.dtype)).astype(jnp.float32), finite
+
+
+def _lift(const: Any) -> Val:
+    # Behind a barrier, statistics of constants (masks, broadcast literals) run at run
+    # time: XLA would otherwise constant-fold their reductions, slowly, at compile time.
+    dtype = getattr(const, "dtype", None)
+    if dtype is not None and (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
+        const = jax.lax.optimization_barrier(jnp.asarray(const))
+    return Val(const, all_finite_flag(const))
+
+
+def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
+    """``(max_abs, max_abs of the shadow, inf/NaN count, underflow count)`` of one output.
+
+    One variadic reduction: XLA compiles one kernel per output instead of four, which
+    keeps the compile time of a large instrumented program in proportion.
+    """
+    magnitude, finite = _finite_abs(out)
+    nonfinite = jnp.logical_not(finite).astype(jnp.int32)
+    if shadow is None:
+        wide, underflow = magnitude, jnp.zeros(out.shape, jnp.int32)
+    else:
+        wide, _ = _finite_abs(shadow)
+        # Zero or subnormal in the output dtype, normal in float32 arithmetic.
+        tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
+        flushed = jnp.abs(out) < tiny
+        normal32 = jnp.abs(shadow) >= np.asarray(jnp.finfo(jnp.float32).tiny, shadow.dtype)
+        underflow = jnp.logical_and(flushed, normal32).astype(jnp.int32)
+
+    def combine(a, b):
+        return (
+            jnp.maximum(a[0], b[0]),
+            jnp.maximum(a[1], b[1]),
+            a[2] + b[2],
+            a[3] + b[3],
+        )
+
+    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0))
+    dims = tuple(range(out.ndim))
+    return tuple(jax.lax.reduce((magnitude, wide, nonfinite, underflow), zeros, combine, dims))
+
+
+# Primitives that move values without changing them: an output's statistics are its
+# input's, with the counts scaled by how often each value appears (broadcast).
+_SAME_VALUES = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "rev",
+        "stop_gradient",
+        "broadcast_in_dim",
+    }
+)
+
+
+def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
+    """The input's statistics for a value-preserving primitive, else None (measure)."""
+    if eqn.primitive.name not in _SAME_VALUES or len(outs) != 1 or ins[0].stats is None:
+        return None
+    source, out = ins[0].value, outs[0]
+    if np.dtype(source.dtype) != np.dtype(out.dtype):
+        return None
+    repeat = np.int32(max(out.size, 1) // max(source.size, 1))
+    max_abs, max32, nonfinite, underflow = ins[0].stats
+    return max_abs, max32, nonfinite * repeat, underflow * repeat
+
+
+class Recorder:
+    """Evaluates a jaxpr and accumulates ``Stat`` for every site it passes."""
+
+    def __init__(self, sites: dict[tuple, Site], stats: dict, clock: Any, iteration: Any):
+        self.sites = sites
+        self.stats = stats
+        self.clock = clock
+        self.iteration = iteration
+
+    # -- packing the statistics of some sites into loop carries -------------------
+    def pack(self, keys: Sequence[tuple]) -> tuple[Any, Any]:
+        rows = [self.stats.get(key, EMPTY) for key in keys]
+        floats = [jnp.stack([jnp.asarray(r[i], jnp.float32) for i in range(2)]) for r in rows]
+        ints = [jnp.stack([jnp.asarray(v, jnp.int32) for v in r[_FLOAT_FIELDS:]]) for r in rows]
+        return (
+            jnp.stack(floats) if rows else jnp.zeros((0, 2), jnp.float32),
+            jnp.stack(ints) if rows else jnp.zeros((0, 5), jnp.int32),
+        )
+
+    def unpack(self, keys: Sequence[tuple], packed: tuple[Any, Any]) -> None:
+        floats, ints = packed
+        for row, key in enumerate(keys):
+            self.stats[key] = Stat(*(floats[row, i] for i in range(2)), *ints[row])
+
+    def child(self, keys, packed, clock, iteration) -> Recorder:
+        sub = Recorder(self.sites, {}, clock, iteration)
+        sub.unpack(keys, packed)
+        return sub
+
+    def keys_under(self, prefix: tuple) -> list[tuple]:
+        return [key for key in self.sites if key[0][: len(prefix)] == prefix]
+
+    # -- evaluation ----------------------------------------------------------------
+    def run(self, closed, args: Sequence[Val], path: tuple) -> list[Val]:
+        positions = {id(eqn): i for i, eqn in enumerate(closed.jaxpr.eqns)}
+
+        def apply(eqn, ins):
+            return self.equation(eqn, ins, path, positions[id(eqn)])
+
+        return eval_jaxpr(closed, args, apply, lift=_lift)
+
+    def equation(self, eqn, ins, path, index) -> list[Val]:
+        kind = structure_of(eqn)
+        sub_path = (*path, (index, 0))
+        if kind == INLINE:
+            return self.run(inline_jaxpr(eqn), ins, sub_path)
+        if kind in _HANDLERS:
+            return _HANDLERS[kind](self, eqn, ins, path, index)
+        return self.measure(eqn, ins, path, index)
+
+    def measure(self, eqn, ins: Sequence[Val], path, index) -> list[Val]:
+        inputs_finite = _and_all([v.finite for v in ins])
+        outs = compat.bind_eqn(eqn, [v.value for v in ins])
+        if not ins:  # iota and friends: constants too (see _lift)
+            outs = list(jax.lax.optimization_barrier(outs))
+        shadows = shadow_outputs(eqn, ins, outs)
+        vals = []
+        for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
+            key = (path, index, k)
+            if key not in self.sites:
+                vals.append(Val(out, all_finite_flag(out), shadow))
+                continue
+            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow)
+            self._update(key, stats, inputs_finite)
+            vals.append(Val(out, stats[2] == 0, shadow, stats))
+        self.clock = self.clock + 1
+        return vals
+
+    def _update(self, key, stats, inputs_finite) -> None:
+        old = self.stats.get(key, EMPTY)
+        max_abs, max32, nonfinite, underflow = stats
+        first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
+        first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
+        self.stats[key] = Stat(
+            jnp.maximum(old.max_abs, max_abs),
+            jnp.maximum(old.max_abs_float32, max32),
+            old.nonfinite + nonfinite,
+            old.underflow + underflow,
+            old.executions + 1,
+            jnp.where(first_origin, self.clock, old.origin_clock),
+            jnp.where(first_bad, self.iteration, old.first_nonfinite_iteration),
+        )
+
+
+def _vals(values: Sequence[Any], shadows: Sequence[Any]) -> list[Val]:
+    return [Val(v, all_finite_flag(v), s) for v, s in zip(values, shadows, strict=True)]
+
+
+def _values(vals: Sequence[Val]) -> list[Any]:
+    return [v.value for v in vals]
+
+
+def _shadows(vals: Sequence[Val]) -> list[Any]:
+    return [materialize(v) for v in vals]
+
+
+def _handle_scan(rec: Recorder, eqn, ins, path, index):
+    p = compat.scan_parts(eqn)
+    sub_path = (*path, (index, 0))
+    keys = rec.keys_under(sub_path)
+    consts = ins[: p.num_consts]
+    init = ins[p.num_consts : p.num_consts + p.num_carry]
+
+    def body(carry, xs):
+        values, shadows, packed, clock, iteration = carry
+        sub = rec.child(keys, packed, clock, iteration)
+        args = [*consts, *_vals(values, shadows), *_vals(*xs)]
+        outs = sub.run(p.jaxpr, args, sub_path)
+        carried, ys = outs[: p.num_carry], outs[p.num_carry :]
+        new = (_values(carried), _shadows(carried), sub.pack(keys), sub.clock, iteration + 1)
+        return new, (_values(ys), _shadows(ys))
+
+    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
+    xs = ins[p.num_consts + p.num_carry :]
+    (values, shadows, packed, clock, _), ys = jax.lax.scan(
+        body,
+        carry0,
+        (_values(xs), _shadows(xs)),
+        length=p.length,
+        reverse=p.reverse,
+        unroll=p.unroll,
+    )
+    rec.unpack(keys, packed)
+    rec.clock = clock
+    return [*_vals(values, shadows), *_vals(*ys)]
+
+
+def _handle_while(rec: Recorder, eqn, ins, path, index):
+    p = compat.while_parts(eqn)
+    sub_path = (*path, (index, 0))
+    keys = rec.keys_under(sub_path)
+    cond_consts = _values(ins[: p.cond_nconsts])
+    body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
+    init = ins[p.cond_nconsts + p.body_nconsts :]
+
+    def cond_fun(carry):
+        # The loop condition runs as written (not measured): it decides, it does not compute.
+        return eval_jaxpr(p.cond_jaxpr, [*cond_consts, *carry[0]], compat.bind_eqn)[0]
+
+    def body_fun(carry):
+        values, shadows, packed, clock, iteration = carry
+        sub = rec.child(keys, packed, clock, iteration)
+        outs = sub.run(p.body_jaxpr, [*body_consts, *_vals(values, shadows)], sub_path)
+        return _values(outs), _shadows(outs), sub.pack(keys), sub.clock, iteration + 1
+
+    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
+    values, shadows, packed, clock, _ = jax.lax.while_loop(cond_fun, body_fun, carry0)
+    rec.unpack(keys, packed)
+    rec.clock = clock
+    return _vals(values, shadows)
+
+
+def _handle_cond(rec: Recorder, eqn, ins, path, index):
+    branches = compat.cond_parts(eqn).branches
+    keys = [key for b in range(len(branches)) for key in rec.keys_under((*path, (index, b)))]
+
+    def make(b, branch):
+        def fun(packed, clock, values, flags, shadows):
+            sub = rec.child(keys, packed, clock, rec.iteration)
+            args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
+            outs = sub.run(branch, args, (*path, (index, b)))
+            flags = [v.finite for v in outs]
+            return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
+
+        return fun
+
+    operands = ins[1:]
+    values, flags, shadows, packed, clock = jax.lax.switch(
+        ins[0].value,
+        [make(b, branch) for b, branch in enumerate(branches)],
+        rec.pack(keys),
+        rec.clock,
+        _values(operands),
+        [jnp.asarray(v.finite) for v in operands],
+        _shadows(operands),
+    )
+    rec.unpack(keys, packed)
+    rec.clock = clock
+    return [Val(*v) for v in zip(values, flags, shadows, strict=True)]
+
+
+_HANDLERS: dict[str, Callable] = {
+    "scan": _handle_scan,
+    "while": _handle_while,
+    "cond": _handle_cond,
+}
+
+
+def instrumented(closed, sites: Sequence[Site]) -> Callable:
+    """A jitted function of the program's arguments returning ``(floats, ints)`` per site."""
+    by_key = {site.key: site for site in sites}
+    keys = list(by_key)
+
+    def run(*args):
+        rec = Recorder(by_key, {}, jnp.int32(0), jnp.int32(-1))
+        rec.run(closed, _vals(args, [None] * len(args)), ())
+        return rec.pack(keys)
+
+    return jax.jit(run)

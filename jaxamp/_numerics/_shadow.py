@@ -1,0 +1,98 @@
+"""The float32 shadow: every value as the program would compute it in float32 arithmetic.
+
+Next to each floating value the report carries its *shadow*: the same value
+computed with every 16-bit operation done in float32 instead, along the whole
+program (a 16-bit target dtype in an equation's parameters, such as
+``convert_element_type``'s ``new_dtype`` or a matmul's ``preferred_element_type``,
+becomes float32 too). A shadow of ``None`` means "equal to the value": inputs,
+constants, and anything computed only from them in 32-bit arithmetic.
+
+Comparing a value with its shadow gives what 16 bits lost: values that are zero
+or subnormal but normal in float32 (underflow, including values flushed earlier
+and carried here) and magnitudes beyond the dtype's max (overflow), which the
+suggested loss scale needs. Integer and bool values are never shadowed: masks,
+indices and loop conditions come from the real program, so both run the same
+control flow. Primitives in ``NO_SHADOW`` (bit-level ops, random bits) and any
+primitive that rejects float32 inputs restart the shadow from their real output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._autocast import _compat as compat
+from jaxamp._casting import is_floating
+
+__all__ = ["NO_SHADOW", "Val", "materialize", "shadow_outputs"]
+
+NO_SHADOW = frozenset({"bitcast_convert_type", "random_bits", "random_wrap", "iota", "rng_uniform"})
+# Parameters that name an output dtype (a 16-bit one is widened in the shadow).
+_DTYPE_PARAMS = ("new_dtype", "preferred_element_type", "out_dtype", "dtype")
+# Rounding to another dtype: the shadow of the result is the shadow of the input.
+_ROUNDING = frozenset({"convert_element_type", "reduce_precision"})
+
+
+class Val(NamedTuple):
+    """An environment entry: the value, whether it is all finite, its float32 shadow,
+    and (when it was measured) its statistics, which a reshape of it can reuse."""
+
+    value: Any
+    finite: Any
+    shadow: Any = None
+    stats: Any = None
+
+
+def is_narrow(x: Any) -> bool:
+    return is_floating(x) and np.dtype(x.dtype).itemsize < 4
+
+
+def _wide(x: Any) -> Any:
+    return x.astype(jnp.float32) if is_narrow(x) else x
+
+
+def widened(val: Val) -> Any:
+    """The shadow of ``val`` (its value in at least float32 when it has none)."""
+    return val.shadow if val.shadow is not None else _wide(val.value)
+
+
+def materialize(val: Val) -> Any:
+    """The shadow as an array for a floating value (loop carries need a fixed structure)."""
+    return widened(val) if is_floating(val.value) else None
+
+
+def shadow_outputs(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any]) -> list:
+    """The shadow of each output of ``eqn`` (None where it equals the value)."""
+    floating = [is_floating(out) for out in outs]
+    shadowed_in = any(v.shadow is not None for v in ins)
+    if not any(floating) or eqn.primitive.name in NO_SHADOW:
+        return [None] * len(outs)
+    if not shadowed_in and not any(is_narrow(out) for out in outs):
+        return [None] * len(outs)  # 32-bit arithmetic on exact inputs: the value itself
+    if eqn.primitive.name in _ROUNDING and is_floating(ins[0].value):
+        target = jnp.float32 if is_narrow(outs[0]) else outs[0].dtype
+        return [widened(ins[0]).astype(target)]
+    params = {
+        name: (jnp.float32 if name in _DTYPE_PARAMS and _is_narrow_dtype(value) else value)
+        for name, value in eqn.params.items()
+    }
+    try:
+        shadows = compat.bind_eqn(eqn.replace(params=params), [widened(v) for v in ins])
+    except Exception:  # a primitive that insists on its dtypes: restart from the value
+        return [None] * len(outs)
+    return [
+        shadow if is_float and np.shape(shadow) == np.shape(out) else None
+        for out, shadow, is_float in zip(outs, shadows, floating, strict=True)
+    ]
+
+
+def _is_narrow_dtype(value: Any) -> bool:
+    try:
+        dtype = np.dtype(value)
+    except (TypeError, ValueError):
+        return False
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4

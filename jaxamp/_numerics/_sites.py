@@ -1,0 +1,241 @@
+"""The static half of the numerics report: which outputs are measured, where, in which phase.
+
+``catalog`` walks the traced program once, before anything runs, in the same
+structure the instrumented evaluation uses (``structure_of``), and lists one
+``Site`` per floating output of every first-order equation. A site's key is its
+position: the path of ``(equation index, sub-jaxpr number)`` pairs that leads to
+its equation, then the equation index and output index, so an inner jaxpr that
+two call sites share still gives two sites.
+
+The phase comes from data flow, not from names. An equation is ``"forward"`` when
+the program's primal outputs (the loss) depend on it, and ``"backward"`` otherwise:
+the cotangent computation and the derivative-only values computed alongside the
+forward pass (``0.5 / sqrt(x)`` for ``sqrt``), so an inf/NaN that only the
+gradient sees is reported as backward. Separately, the gradient program takes
+the cotangent seed (the loss scale) as its last argument, and an output that
+depends on it is ``scaled``: proportional to the loss scale, which is what the
+suggested loss scale is computed from (a rematerialised forward value inside the
+backward pass is not).
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._autocast import _compat as compat
+
+__all__ = ["INLINE", "Site", "catalog", "inline_jaxpr", "structure_of", "user_source"]
+
+# Kinds of higher-order equation the evaluation recurses into. Everything else is
+# run as written and measured as one opaque equation.
+INLINE = "inline"
+_FIXPOINT_ROUNDS = 8
+
+
+class Site(NamedTuple):
+    """One measured floating output (static facts only)."""
+
+    key: tuple
+    primitive: str
+    source: str
+    phase: str
+    scaled: bool
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    in_loop: bool
+
+
+def inline_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
+    """The body of a call-like equation (jit, call, remat, custom_jvp/vjp), else None.
+
+    These run their body once on their own operands, so the report evaluates the
+    body in place (the gradient is already in the traced program, so a custom
+    rule's primal function is all that runs).
+    """
+    name = eqn.primitive.name
+    if name in compat.JIT_NAMES:
+        return compat.jit_parts(eqn).jaxpr
+    if name in compat.CALL_NAMES:
+        return compat.call_jaxpr(eqn)
+    if name in compat.REMAT_NAMES:
+        return compat.remat_parts(eqn).jaxpr
+    if name in compat.CUSTOM_CALL_NAMES:
+        return compat.custom_call_jaxpr(eqn)
+    return None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = {
+        os.path.dirname(os.path.dirname(jax.__file__)),
+        os.path.dirname(os.path.dirname(__file__)),
+    }
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(path)
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def user_source(eqn: jex.JaxprEqn) -> str:
+    """``"path/to/file.py:LINE"`` of the innermost frame outside JAX, jaxamp and libraries.
+
+    Installed libraries (Flax, Haiku, Equinox, optax) count as library code, so a
+    ``nn.Dense`` is attributed to the user's line that calls it. The innermost
+    frame of all is the fallback when every frame is library code.
+    """
+    frames = compat.source_frames(eqn)
+    for file_name, line in frames:
+        real = os.path.realpath(file_name)
+        if not real.startswith(_LIBRARY_DIRS) and not file_name.startswith("<"):
+            return f"{file_name}:{line}"
+    return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown>:0"
+
+
+def structure_of(eqn: jex.JaxprEqn) -> str:
+    """``"inline"``, ``"scan"``, ``"while"``, ``"cond"`` or ``"op"`` (measured as is)."""
+    name = eqn.primitive.name
+    if name in ("scan", "while", "cond"):
+        return name
+    return INLINE if inline_jaxpr(eqn) is not None else "op"
+
+
+def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[bool]) -> list[Site]:
+    """Every measured output of ``closed``, in program order.
+
+    ``tainted``: which arguments are the cotangent seed; ``primal``: which outputs
+    are primal results (the loss), the rest being gradients.
+    """
+    sites: list[Site] = []
+    # Without a seed (no gradient) every op is forward, dead code included.
+    where = _Where((), False, list(primal) if any(tainted) else [True] * len(primal))
+    _visit(closed.jaxpr, list(tainted), where, sites)
+    return sites
+
+
+class _Where(NamedTuple):
+    path: tuple
+    in_loop: bool
+    live_outs: list[bool]  # which outputs of this jaxpr the primal results need (or all)
+
+
+def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[bool]) -> list[list[bool]]:
+    """Per equation, which of its outputs the primal results need (backward liveness)."""
+    live = {v for v, keep in zip(jaxpr.outvars, live_outs, strict=True) if keep}
+    if all(live_outs):
+        return [[True] * len(eqn.outvars) for eqn in jaxpr.eqns]
+    per_eqn = []
+    for eqn in reversed(jaxpr.eqns):
+        outs = [isinstance(v, jex.Var) and v in live for v in eqn.outvars]
+        if any(outs):
+            live.update(v for v in eqn.invars if isinstance(v, jex.Var))
+        per_eqn.append(outs)
+    return per_eqn[::-1]
+
+
+def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list:
+    taint: dict = dict(zip(jaxpr.invars, in_taint, strict=True))
+
+    def read(atom):
+        return isinstance(atom, jex.Var) and taint.get(atom, False)
+
+    for index, (eqn, live) in enumerate(
+        zip(jaxpr.eqns, _live_eqns(jaxpr, where.live_outs), strict=True)
+    ):
+        ins = [read(atom) for atom in eqn.invars]
+        outs = _visit_eqn(eqn, ins, where._replace(live_outs=live), index, sites)
+        taint.update(zip(eqn.outvars, outs, strict=True))
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
+    kind = structure_of(eqn)
+    path = where.path
+    inner = _Where((*path, (index, 0)), where.in_loop, where.live_outs)
+    if kind == INLINE:
+        return _visit(inline_jaxpr(eqn).jaxpr, ins, inner, sites)
+    if kind in _BODIES:
+        return _BODIES[kind](eqn, ins, where, index, sites)
+    phase = "forward" if any(where.live_outs) else "backward"
+    for k, var in enumerate(eqn.outvars):
+        dtype = getattr(var.aval, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            key = (path, index, k)
+            source = user_source(eqn)
+            shape = tuple(var.aval.shape)
+            sites.append(
+                Site(
+                    key,
+                    eqn.primitive.name,
+                    source,
+                    phase,
+                    any(ins),
+                    np.dtype(dtype),
+                    shape,
+                    where.in_loop,
+                )
+            )
+    return [any(ins)] * len(eqn.outvars)
+
+
+def _body_where(where: _Where, index: int, n_outs: int) -> _Where:
+    # A loop body runs for the primal results if the loop does (any output).
+    return _Where((*where.path, (index, 0)), True, [any(where.live_outs)] * n_outs)
+
+
+def _visit_scan(eqn, ins, where, index, sites):
+    p = compat.scan_parts(eqn)
+    consts, carry = ins[: p.num_consts], ins[p.num_consts : p.num_consts + p.num_carry]
+    xs = ins[p.num_consts + p.num_carry :]
+    inner = _body_where(where, index, len(p.jaxpr.jaxpr.outvars))
+
+    def body(c, out):
+        return _visit(p.jaxpr.jaxpr, [*consts, *c, *xs], inner, out)
+
+    return body(_carry_fixpoint(body, carry), sites)
+
+
+def _visit_while(eqn, ins, where, index, sites):
+    p = compat.while_parts(eqn)
+    consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
+    carry = ins[p.cond_nconsts + p.body_nconsts :]
+    inner = _body_where(where, index, len(carry))
+
+    def body(c, out):
+        return _visit(p.body_jaxpr.jaxpr, [*consts, *c], inner, out)
+
+    carry = _carry_fixpoint(body, carry)
+    body(carry, sites)
+    return carry
+
+
+def _visit_cond(eqn, ins, where, index, sites):
+    outs = [
+        _visit(branch.jaxpr, ins[1:], where._replace(path=(*where.path, (index, b))), sites)
+        for b, branch in enumerate(compat.cond_parts(eqn).branches)
+    ]
+    return [any(flags) for flags in zip(*outs, strict=True)]
+
+
+_BODIES = {"scan": _visit_scan, "while": _visit_while, "cond": _visit_cond}
+
+
+def _carry_fixpoint(body, carry: list[bool]) -> list[bool]:
+    # A carry depends on the seed if its initial value or any iteration's update does.
+    for _ in range(_FIXPOINT_ROUNDS):
+        outs = body(carry, [])
+        new = [a or b for a, b in zip(carry, outs[: len(carry)], strict=True)]
+        if new == carry:
+            break
+        carry = new
+    return carry

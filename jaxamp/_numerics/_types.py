@@ -1,0 +1,164 @@
+"""``OpStats`` and ``NumericsReport``: what :func:`jaxamp.numerics_report` returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+__all__ = ["NumericsReport", "OpStats"]
+
+_ROWS = 10  # ops per table in str(report); the full list is report.ops
+
+
+@dataclasses.dataclass(frozen=True)
+class OpStats:
+    """One floating output of one equation, aggregated over every time it ran.
+
+    Attributes:
+      primitive: the JAX primitive (``"mul"``, ``"dot_general"``, ...).
+      source: ``"path/to/file.py:LINE"`` of the user's code that made it. A
+        backward equation points at the forward line whose derivative it is.
+      phase: ``"forward"`` (the loss depends on it: the primal computation) or
+        ``"backward"`` (only the gradient does: the cotangents and the derivative
+        factors computed alongside the forward pass; ``grad=True`` only).
+      scaled: the value is a cotangent, proportional to the loss scale (what
+        the suggested loss scale is computed from).
+      dtype: the output dtype.
+      shape: the output shape.
+      max_abs: the largest finite magnitude (0.0 if none).
+      nonfinite: how many inf/NaN values it produced (summed over loop iterations).
+      underflow_fraction: the fraction of values that are zero or subnormal in
+        ``dtype`` but normal when the same op runs in float32 on the same inputs
+        (0.0 for 32-bit outputs).
+      headroom: ``max_abs`` divided by the dtype's largest finite value; 1.0 means
+        at the edge of overflow.
+      max_abs_float32: the largest finite magnitude of the op computed in float32
+        on the same inputs (for a 16-bit output; else ``max_abs``). Larger than the
+        dtype's max when the 16-bit result overflowed.
+      executions: how many times the equation ran (loop iterations).
+      first_nonfinite_iteration: inside a scan/while body, the iteration of the
+        innermost loop in which it first produced an inf/NaN; else None.
+    """
+
+    primitive: str
+    source: str
+    phase: str
+    scaled: bool
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    max_abs: float
+    nonfinite: int
+    underflow_fraction: float
+    headroom: float
+    max_abs_float32: float
+    executions: int
+    first_nonfinite_iteration: int | None = None
+
+    def _row(self) -> tuple[str, ...]:
+        it = self.first_nonfinite_iteration
+        return (
+            _short_path(self.source),
+            self.primitive,
+            self.phase,
+            f"{np.dtype(self.dtype).name}{list(self.shape)}",
+            f"{self.max_abs:.3g}",
+            f"{self.headroom:.2g}",
+            f"{self.underflow_fraction:.1%}",
+            f"{self.nonfinite}" + (f" (iter {it})" if it is not None else ""),
+        )
+
+
+_HEADER = ("source", "op", "phase", "value", "max_abs", "max/dtype max", "underflow", "inf/NaN")
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsReport:
+    """What :func:`jaxamp.numerics_report` measured. ``str()`` gives tables to read first.
+
+    Attributes:
+      ops: one :class:`OpStats` per floating output of every equation run, in
+        program order (forward, then backward with ``grad=True``).
+      first_nonfinite: the first op, in execution order, that produced an inf/NaN
+        from finite inputs (where a NaN was born, not where it flowed), or None.
+      suggested_loss_scale: with ``grad=True`` and a 16-bit floating op in the
+        backward pass, a power of two at which no ``scaled`` op overflows, 8x
+        (:data:`SAFETY_FACTOR`) below the largest such power of two; else None.
+      loss_scale: the loss scale the gradient was computed with (None without grad).
+      max_loss_scale: the largest power of two with no backward overflow (the
+        suggestion times the safety factor), or None.
+    """
+
+    ops: tuple[OpStats, ...]
+    first_nonfinite: OpStats | None
+    suggested_loss_scale: float | None
+    loss_scale: float | None = None
+    max_loss_scale: float | None = None
+
+    def nearest_overflow(self, n: int = _ROWS) -> list[OpStats]:
+        """The ``n`` ops with the largest ``headroom`` (closest to their dtype's max)."""
+        return sorted(self.ops, key=lambda op: -op.headroom)[:n]
+
+    def most_underflow(self, n: int = _ROWS) -> list[OpStats]:
+        """The ``n`` ops with the largest ``underflow_fraction`` (ops with none left out)."""
+        flushed = [op for op in self.ops if op.underflow_fraction > 0]
+        return sorted(flushed, key=lambda op: -op.underflow_fraction)[:n]
+
+    @property
+    def nonfinite_ops(self) -> list[OpStats]:
+        """Every op that produced an inf/NaN, in program order."""
+        return [op for op in self.ops if op.nonfinite]
+
+    def __str__(self) -> str:
+        phases = {}
+        for op in self.ops:
+            phases[op.phase] = phases.get(op.phase, 0) + 1
+        counts = ", ".join(f"{n} {phase}" for phase, n in phases.items())
+        lines = [f"numerics_report: {len(self.ops)} op outputs ({counts})"]
+        origin = self.first_nonfinite
+        if origin is None:
+            bad = len(self.nonfinite_ops)
+            lines.append(
+                "no inf/NaN" if not bad else f"inf/NaN only from non-finite inputs ({bad} ops)"
+            )
+        else:
+            lines.append("first inf/NaN made from finite inputs:")
+            lines += _table([origin])
+        lines.append("nearest to overflow:")
+        lines += _table(self.nearest_overflow())
+        flushed = self.most_underflow()
+        lines.append("most underflow:" if flushed else "most underflow: none")
+        lines += _table(flushed) if flushed else []
+        if self.suggested_loss_scale is not None:
+            lines.append(
+                f"suggested loss scale: {_power(self.suggested_loss_scale)} "
+                f"(largest without backward overflow {_power(self.max_loss_scale)}, "
+                f"safety factor {SAFETY_FACTOR}; measured at loss scale {self.loss_scale:g})"
+            )
+        if len(self.ops) > _ROWS:
+            lines.append(f"(tables cut to {_ROWS} rows; report.ops has all {len(self.ops)})")
+        return "\n".join(lines)
+
+
+SAFETY_FACTOR = 8
+
+
+def _power(scale: float) -> str:
+    return f"2**{math.log2(scale):g} = {scale:g}"
+
+
+def _short_path(source: str) -> str:
+    path, _, line = source.rpartition(":")
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        rel = path
+    return f"{rel if not rel.startswith('..') else path}:{line}"
+
+
+def _table(ops: list[OpStats]) -> list[str]:
+    rows = [_HEADER, *(op._row() for op in ops)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]

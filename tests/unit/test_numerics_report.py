@@ -1,0 +1,255 @@
+"""numerics_report: inf/NaN origins at the user's line, underflow against float32, loss scales."""
+
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+F16_TINY = float(jnp.finfo(jnp.float16).tiny)
+F32_TINY = float(jnp.finfo(jnp.float32).tiny)
+_LINES = pathlib.Path(__file__).read_text().splitlines()
+
+
+def _line(marker: str) -> str:
+    """``"this/file.py:N"`` of the line carrying ``# <marker>``."""
+    (n,) = [i + 1 for i, text in enumerate(_LINES) if text.rstrip().endswith(f"# {marker}")]
+    return f"{__file__}:{n}"
+
+
+def _planted(w, x):
+    h = x @ w  # matmul-autocast
+    big = h * 4096.0  # plant-autocast
+    return jnp.mean(jnp.tanh(big))
+
+
+def test_planted_overflow_at_its_line_under_autocast():
+    w, x = jnp.ones((4, 3)), jnp.full((2, 4), 20.0)
+    report = jaxamp.numerics_report(_planted, w, x, policy="mixed_float16")
+    origin = report.first_nonfinite
+    assert origin.source == _line("plant-autocast")
+    assert (origin.primitive, origin.dtype, origin.phase) == ("mul", np.float16, "forward")
+    assert origin.nonfinite == 6 and origin.max_abs == 0.0
+    assert origin.max_abs_float32 == 80.0 * 4096  # what float32 arithmetic gives
+    assert "plant-autocast" not in str(report)  # the table names file:line, not the code
+    assert f"test_numerics_report.py:{origin.source.rsplit(':', 1)[1]}" in str(report)
+    # The matmul before it is finite: float32 accumulation, then 80 / 65504 of float16's range.
+    matmul = [op for op in report.ops if op.source == _line("matmul-autocast")]
+    assert [(op.primitive, op.dtype) for op in matmul[-2:]] == [
+        ("dot_general", np.float32),
+        ("convert_element_type", np.float16),
+    ]
+    assert all(op.nonfinite == 0 and op.max_abs == 80.0 for op in matmul[-2:])
+    assert matmul[-1].headroom == pytest.approx(80.0 / F16_MAX)
+    # Under float32 the same program is clean.
+    clean = jaxamp.numerics_report(_planted, w, x, policy="float32")
+    assert clean.first_nonfinite is None and not clean.nonfinite_ops
+
+
+def test_planted_overflow_through_a_flax_layer_dtype_model():
+    nn = pytest.importorskip("flax.linen")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(3, dtype=jnp.float16)(x)
+            return jnp.sum(h * 8192.0)  # plant-flax
+
+    model = Model()
+    x = jnp.full((2, 4), 3.0)
+    params = model.init(jax.random.key(0), x)
+    params = jax.tree.map(jnp.ones_like, params)
+    report = jaxamp.numerics_report(model.apply, params, x)
+    assert report.first_nonfinite.source == _line("plant-flax")
+    assert report.first_nonfinite.primitive == "mul"
+    # The Dense's own ops are attributed to the user's line, not to flax's files.
+    for op in report.ops:
+        assert op.source.startswith(__file__), op
+
+
+def _sqrt_loss(x):
+    return jnp.sum(jnp.sqrt(x))  # plant-sqrt
+
+
+def _log_loss(x):
+    return jnp.sum(jnp.log(x))  # plant-log
+
+
+@pytest.mark.parametrize(
+    "loss, x, marker",
+    [
+        (_sqrt_loss, jnp.zeros(3), "plant-sqrt"),  # d/dx sqrt(0) = 1 / 0
+        (_log_loss, jnp.full(3, 1e-5, jnp.float16), "plant-log"),  # 1 / 1e-5 > float16 max
+    ],
+)
+def test_nonfinite_born_in_the_gradient_is_reported_at_the_forward_line(loss, x, marker):
+    forward = jaxamp.numerics_report(loss, x)
+    assert forward.first_nonfinite is None and not forward.nonfinite_ops
+    report = jaxamp.numerics_report(loss, x, grad=True)
+    origin = report.first_nonfinite
+    assert origin.source == _line(marker) and origin.phase == "backward"
+    assert origin.primitive == "div"
+    assert all(op.nonfinite == 0 for op in report.ops if op.phase == "forward")
+
+
+def test_float32_run_reports_no_problem():
+    w = jax.random.normal(jax.random.key(0), (8, 4))
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    report = jaxamp.numerics_report(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), w, x, grad=True)
+    assert report.first_nonfinite is None
+    assert all(op.nonfinite == 0 and op.underflow_fraction == 0.0 for op in report.ops)
+    assert {op.phase for op in report.ops} == {"forward", "backward"}
+    assert report.suggested_loss_scale is None  # nothing 16-bit to protect
+    assert "no inf/NaN" in str(report) and "most underflow: none" in str(report)
+
+
+def _flushed_fraction(reference):
+    """Fraction of a float32 reference that float16 makes zero or subnormal."""
+    magnitude = np.abs(np.asarray(reference, np.float32))
+    return float(np.mean((magnitude < F16_TINY) & (magnitude >= F32_TINY)))
+
+
+def test_underflow_fractions_match_float32_references():
+    x = np.exp(np.linspace(-25.0, 0.0, 1000)).astype(np.float32)  # 1.4e-11 .. 1
+    factor = np.float16(1e-3)
+
+    def fun(x):
+        x16 = x.astype(jnp.float16)
+        return x16 * factor
+
+    report = jaxamp.numerics_report(fun, x)
+    cast, mul = report.ops
+    assert (cast.primitive, mul.primitive) == ("convert_element_type", "mul")
+    assert cast.underflow_fraction == pytest.approx(_flushed_fraction(x), abs=1e-3)
+    # The reference is the whole computation in float32: flushes carry over from the cast.
+    expected = _flushed_fraction(x * np.float32(factor))
+    assert mul.underflow_fraction == pytest.approx(expected, abs=1e-3)
+    assert mul.underflow_fraction > cast.underflow_fraction > 0.5
+    assert report.most_underflow(1) == [mul]
+
+
+def _scaled_loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w))
+
+
+def _backward_overflows(report):
+    return any(op.nonfinite for op in report.ops if op.phase == "backward")
+
+
+def test_suggested_loss_scale_fits_and_is_at_most_16x_below_the_largest():
+    w = jax.random.normal(jax.random.key(0), (16, 8)) * 0.1
+    x = jax.random.normal(jax.random.key(1), (32, 16)) * 30.0
+    report = jaxamp.numerics_report(_scaled_loss, w, x, policy="mixed_float16", grad=True)
+    suggested, largest = report.suggested_loss_scale, report.max_loss_scale
+    assert math.log2(suggested).is_integer() and largest == 8 * suggested
+
+    def at(scale):
+        return jaxamp.numerics_report(
+            _scaled_loss, w, x, policy="mixed_float16", grad=True, loss_scale=scale
+        )
+
+    assert not _backward_overflows(at(suggested))
+    assert not _backward_overflows(at(largest))
+    assert _backward_overflows(at(2 * largest))  # so suggested >= (largest that fits) / 8
+    # Computed from float32 magnitudes: measuring at an overflowing scale agrees.
+    assert at(4 * largest).suggested_loss_scale == suggested
+
+
+def test_scan_aggregates_over_iterations_with_the_first_nonfinite_iteration():
+    def fun(c, xs):
+        def body(c, x):
+            c = c * x  # plant-scan
+            return c, jnp.sum(c)
+
+        return jax.lax.scan(body, c, xs)[1]
+
+    c, xs = jnp.ones(3, jnp.float16), jnp.full((6, 3), 10.0, jnp.float16)
+    report = jaxamp.numerics_report(jax.jit(fun), c, xs)
+    (mul,) = [op for op in report.ops if op.source == _line("plant-scan")]
+    # 10, 100, ..., 1e4 are finite; 1e5 (iteration 4) and 1e6 overflow float16.
+    assert (mul.executions, mul.nonfinite, mul.first_nonfinite_iteration) == (6, 6, 4)
+    assert mul.max_abs == 1e4 and mul.max_abs_float32 == 1e6  # the float32 shadow carries on
+    assert report.first_nonfinite is mul
+
+
+def test_while_and_cond_aggregate_and_find_the_origin():
+    def fun(v):
+        def body(state):
+            i, v = state
+            v = jax.lax.cond(i < 3, lambda a: a * 2.0, lambda a: a * 1000.0, v)  # plant-cond
+            return i + 1, v
+
+        return jax.lax.while_loop(lambda s: s[0] < 5, body, (0, v))[1]
+
+    report = jaxamp.numerics_report(fun, jnp.ones(2, jnp.float16))
+    # lax.cond's branches are (false, true): program order puts the false one first.
+    thousand, doubling = [op for op in report.ops if op.primitive == "mul"]
+    assert (doubling.executions, doubling.max_abs, doubling.nonfinite) == (3, 8.0, 0)
+    # 8 * 1000 is finite (iteration 3), 8e6 is not (iteration 4).
+    assert (thousand.executions, thousand.max_abs, thousand.nonfinite) == (2, 8000.0, 2)
+    assert thousand.first_nonfinite_iteration == 4
+    assert report.first_nonfinite is thousand and thousand.source == _line("plant-cond")
+
+
+@jax.custom_vjp
+def _scaled_sin(x):
+    return jnp.sin(x)
+
+
+_scaled_sin.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+
+def test_custom_vjp_custom_jvp_and_remat_are_measured_inside():
+    def fun(w):
+        h = jax.checkpoint(lambda w: jax.nn.relu(w) * 300.0)(w)
+        return jnp.sum(_scaled_sin(h) * h * h)  # plant-custom
+
+    w = jnp.ones(4, jnp.float16)
+    report = jaxamp.numerics_report(fun, w, grad=True)
+    primitives = {op.primitive for op in report.ops}
+    assert {"max", "sin", "cos"} <= primitives  # relu, the custom_vjp fwd and bwd
+    origin = report.first_nonfinite  # 300 * 300 * sin(300) overflows float16
+    assert origin.source == _line("plant-custom") and origin.phase == "forward"
+
+
+def _mlp_loss_checks(report):
+    assert report.first_nonfinite is None
+    assert {op.phase for op in report.ops} == {"forward", "backward"}
+    matmuls = [op for op in report.ops if op.primitive == "dot_general"]
+    assert matmuls and all(op.source.startswith(__file__) for op in matmuls)
+    assert math.log2(report.suggested_loss_scale).is_integer()
+
+
+def test_flax_nnx_haiku_and_equinox_models():
+    nnx = pytest.importorskip("flax.nnx")
+    hk = pytest.importorskip("haiku")
+    eqx = pytest.importorskip("equinox")
+    x = jax.random.normal(jax.random.key(0), (4, 3))
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def nnx_loss(state, x):
+        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)  # nnx line
+
+    _mlp_loss_checks(jaxamp.numerics_report(nnx_loss, state, x, policy="mixed_float16", grad=True))
+
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(2)(x)))
+    params = net.init(jax.random.key(1), x)
+
+    def hk_loss(params, x):
+        return jnp.mean(net.apply(params, x) ** 2)  # haiku line
+
+    _mlp_loss_checks(jaxamp.numerics_report(hk_loss, params, x, policy="mixed_float16", grad=True))
+
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(2))
+
+    def eqx_loss(mlp, x):
+        return jnp.mean(jax.vmap(mlp)(x) ** 2)  # equinox line
+
+    _mlp_loss_checks(jaxamp.numerics_report(eqx_loss, mlp, x, policy="mixed_float16", grad=True))
