@@ -12,6 +12,7 @@ from jaxamp._autocast import AUTOCAST_RULES, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._finite import all_finite, select_tree
 from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer
 from jaxamp._optax import (
     AccumulationState,
     LossScalingState,
@@ -23,6 +24,7 @@ from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._scaled_grad import scaled_value_and_grad
 from jaxamp._skip_guard import TooManySkippedSteps
+from jaxamp._stochastic_round import stochastic_round
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
@@ -35,6 +37,7 @@ __all__ = [
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
+    "LowPrecisionState",
     "MatmulInfo",
     "NoOpLossScale",
     "Policy",
@@ -50,11 +53,13 @@ __all__ = [
     "get_policy",
     "loss_scaling",
     "loss_scaling_metrics",
+    "low_precision_optimizer",
     "pad_to_multiple",
     "policy_for_device",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",
+    "stochastic_round",
     "tensor_core_multiple",
 ]
 
