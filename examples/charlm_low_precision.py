@@ -101,6 +101,7 @@ def train(mode: str, seed: int, data: tuple[np.ndarray, ...], args: argparse.Nam
             if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
                 evals.append((i + 1, float(valid_loss(state)) / math.log(2)))
     model, optimizer = nnx.merge(graphdef, state)
+    print(f"{mode} seed {seed}: {evals[-1][1]:.4f} bits/char", flush=True)
     return {
         "mode": mode,
         "seed": seed,

@@ -118,7 +118,10 @@ def _apply_leaf(p, u, c, rounding, bits):
     update = (target.astype(jnp.float32) - p32).astype(p.dtype)
     if c is None:
         return update, None
-    applied = (p + update).astype(jnp.float32)
+    # What apply_updates will give. reduce_precision, not a cast: XLA may drop a
+    # float32 -> 16-bit -> float32 round trip (excess precision) but not this.
+    finfo = jnp.finfo(p.dtype)
+    applied = jax.lax.reduce_precision(p32 + update.astype(jnp.float32), finfo.nexp, finfo.nmant)
     return update, (target32 - applied).astype(p.dtype)
 
 
