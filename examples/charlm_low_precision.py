@@ -123,11 +123,12 @@ def summarize(runs: list[dict]) -> list[dict[str, str]]:
     rows = []
     for mode, group in by_mode.items():
         bits = np.asarray([r["valid_bits"] for r in group])
+        std = bits.std(ddof=1) if len(bits) > 1 else 0.0
         gap = "" if ref_mean is None else f"{100 * (bits.mean() / ref_mean - 1):+.2f}%"
         rows.append(
             {
                 "mode": mode,
-                "valid_bits": f"{bits.mean():.4f} +- {bits.std(ddof=1) if len(bits) > 1 else 0:.4f}",
+                "valid_bits": f"{bits.mean():.4f} +- {std:.4f}",
                 "gap": gap,
                 "seeds": ", ".join(f"{b:.4f}" for b in bits),
                 "bytes": f"{group[0]['bytes_per_param']:.2f}",
@@ -201,9 +202,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     data = charlm.split_blocks(charlm.encode(charlm.load_text()))
     dims = charlm.sizes(args)
-    runs = [
-        train(mode, seed, data, args) for seed in range(args.seeds) for mode in args.mode_list
-    ]
+    runs = [train(mode, seed, data, args) for seed in range(args.seeds) for mode in args.mode_list]
     table = _common.markdown_table(summarize(runs), COLUMNS)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""stochastic_round and low_precision_optimizer: numerics against float64, exact updates, composition."""
+"""stochastic_round and low_precision_optimizer: float64 references, exact updates, composition."""
 
 import json
 import os
@@ -83,7 +83,7 @@ def test_exact_values_and_specials_stay(dtype):
         float(finfo.tiny),
         float(finfo.smallest_subnormal),
     ]
-    x = jnp.asarray(exact + [np.inf, -np.inf, np.nan], jnp.float32)
+    x = jnp.asarray([*exact, np.inf, -np.inf, np.nan], jnp.float32)
     out = jax.jit(jaxamp.stochastic_round, static_argnums=1)(x, dtype, jax.random.key(3))
     assert out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out[:-1], np.float32), np.asarray(x[:-1]))

@@ -228,7 +228,7 @@ CASES = [
         ["x", "floating", "int32"],
     ),
     (
-        "low_precision_optimizer(tx, rounding=\"up\")",
+        'low_precision_optimizer(tx, rounding="up")',
         lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), rounding="up"),
         ValueError,
         ["rounding", "'up'", "'stochastic'", "'kahan'", "'nearest'"],
