@@ -63,7 +63,7 @@ def bytes_per_param(params: Any, opt_state: Any) -> dict[str, float]:
         "state_bytes_per_param": nbytes(opt_state) / count,
         "total_bytes_per_param": (nbytes(params) + nbytes(opt_state)) / count,
         "state_fixed_bytes": sum(
-            x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state) if x.ndim <= 1
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state) if x.size <= 2
         ),
     }
 
