@@ -168,13 +168,13 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="train steps (300; --fast: 6)")
+    parser.add_argument("--steps", type=int, default=None, help="train steps (500; --fast: 6)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences (16; --fast: 4)")
     parser.add_argument("--context", type=int, default=None, help="characters (64; --fast: 16)")
     parser.add_argument("--width", type=int, default=None, help="model width (64; --fast: 32)")
     parser.add_argument("--layers", type=int, default=None, help="blocks (2; --fast: 1)")
     parser.add_argument("--head-dim", type=int, default=32, help="width per attention head")
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=None, help="steps (25; --fast: 3)")
     parser.add_argument("--eval-windows", type=int, default=64, help="validation sequences")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per mode (3; --fast: 1)")
@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     fast = {"steps": 6, "batch_size": 4, "context": 16, "width": 32, "layers": 1}
-    full = {"steps": 300, "batch_size": 16, "context": 64, "width": 64, "layers": 2}
+    full = {"steps": 500, "batch_size": 16, "context": 64, "width": 64, "layers": 2}
     fast.update(eval_every=3, seeds=1)
     full.update(eval_every=25, seeds=3)
     for key, value in (fast if args.fast else full).items():

@@ -26,6 +26,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 # The examples folder is not a package: import the scripts by path.
 charlm = importlib.import_module("charlm")
+charlm_low_precision = importlib.import_module("charlm_low_precision")
 digits = importlib.import_module("digits")
 underflow = importlib.import_module("underflow")
 
@@ -209,3 +210,20 @@ def test_charlm_text_and_alignment():
     dims = charlm.sizes(args)
     assert dims["padded_vocab"] == 128 and dims["vocab"] == 96
     assert dims["width"] == 64 and dims["mlp"] == 256
+
+
+def test_charlm_low_precision_rounding_modes(tmp_path):
+    argv = ["--fast", "--no-progress", "--out", str(tmp_path), "--steps", "2"]
+    with jax.numpy_dtype_promotion("standard"):
+        runs = charlm_low_precision.main([*argv, "--modes", "bf16_nearest,bf16_kahan"])
+    by_mode = {r["mode"]: r for r in runs}
+    assert set(by_mode) == {"bf16_nearest", "bf16_kahan"}
+    # bf16 params + bf16 AdamW moments: 6 bytes; Kahan's buffer: 2 more (plus a
+    # few fixed bytes of counters and key over the parameter count).
+    assert 6.0 < by_mode["bf16_nearest"]["bytes_per_param"] < 6.01
+    assert 8.0 < by_mode["bf16_kahan"]["bytes_per_param"] < 8.01
+    for r in runs:
+        assert math.isfinite(r["valid_bits"]) and r["valid_bits"] < 7.0
+    assert_outputs(tmp_path, "charlm_low_precision", ["bf16_nearest", "bf16_kahan"])
+    with pytest.raises(SystemExit):
+        charlm_low_precision.parse_args(["--modes", "bf16_float8"])
