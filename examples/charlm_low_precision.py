@@ -123,12 +123,11 @@ def summarize(runs: list[dict]) -> list[dict[str, str]]:
     rows = []
     for mode, group in by_mode.items():
         bits = np.asarray([r["valid_bits"] for r in group])
-        std = bits.std(ddof=1) if len(bits) > 1 else 0.0
         gap = "" if ref_mean is None else f"{100 * (bits.mean() / ref_mean - 1):+.2f}%"
         rows.append(
             {
                 "mode": mode,
-                "valid_bits": f"{bits.mean():.4f} +- {std:.4f}",
+                "valid_bits": _common.mean_std(bits),
                 "gap": gap,
                 "seeds": ", ".join(f"{b:.4f}" for b in bits),
                 "bytes": f"{group[0]['bytes_per_param']:.2f}",
