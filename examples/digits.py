@@ -66,7 +66,7 @@ SETUPS: dict[str, tuple[str, bool]] = {
 # Setups whose float32 model runs its loss under jaxamp.autocast(loss, policy).
 AUTOCAST = {"autocast_bfloat16": "mixed_bfloat16"}
 # torch's GradScaler grows the scale every 2000 finite steps; these runs are only
-# ~1000 steps long, so the scale may grow every 200 to show the whole trajectory.
+# 600 steps long, so the scale may grow every 200 to show the whole trajectory.
 GROWTH_INTERVAL = 200
 LEARNING_RATE = 3e-3  # Adam's
 
