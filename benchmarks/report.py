@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks import _harness, activation_memory, compile_scaling, gpu_speed, step_overhead
+from benchmarks import (
+    _harness,
+    activation_memory,
+    compile_scaling,
+    gpu_speed,
+    low_precision,
+    step_overhead,
+)
 
 # Result files are named <script>[_<suffix>].json (e.g. compile_scaling_gpt,
 # step_overhead_session1); the script's own table renders each.
@@ -17,6 +24,7 @@ TABLES = {
     "step_overhead": step_overhead.table,
     "activation_memory": activation_memory.table,
     "gpu_speed": gpu_speed.table,
+    "low_precision": low_precision.table,
 }
 
 
