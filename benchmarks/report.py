@@ -14,6 +14,7 @@ from benchmarks import (
     autocast_cpu_speed,
     compile_scaling,
     gpu_speed,
+    low_precision,
     step_overhead,
 )
 
@@ -25,6 +26,7 @@ TABLES = {
     "activation_memory": activation_memory.table,
     "gpu_speed": gpu_speed.table,
     "autocast_cpu_speed": autocast_cpu_speed.table,
+    "low_precision": low_precision.table,
 }
 
 

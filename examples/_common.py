@@ -72,6 +72,31 @@ def make_train_step(
     return step
 
 
+def autocast_loss(loss_fn: LossFn, policy: Any) -> LossFn:
+    """``loss_fn(model, *batch)`` of a float32 NNX model, run under ``jaxamp.autocast``.
+
+    autocast rewrites a pure function's jaxpr, so the model is split into its
+    graph definition and state and merged back inside.
+    """
+
+    def loss(model: nnx.Module, *batch: Any) -> jax.Array:
+        graphdef, state = nnx.split(model)
+
+        def pure(state, *batch):
+            return loss_fn(nnx.merge(graphdef, state), *batch)
+
+        return jaxamp.autocast(pure, policy)(state, *batch)
+
+    return loss
+
+
+def mean_std(values: Sequence[float], digits: int = 4) -> str:
+    """``"mean +- std"`` over seeds (sample std; 0 for one value)."""
+    values = np.asarray(values, np.float64)
+    std = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{values.mean():.{digits}f} +- {std:.{digits}f}"
+
+
 def zero_fraction(tree: Any) -> jax.Array:
     """The fraction of floating-point entries of ``tree`` that are exactly zero."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]

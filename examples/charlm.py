@@ -176,20 +176,6 @@ def next_char_loss(model: CharTransformer, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def autocast_loss(policy: Any) -> Any:
-    """``next_char_loss`` of a float32 model, run under ``jaxamp.autocast(policy)``."""
-
-    def loss(model: CharTransformer, tokens: jax.Array) -> jax.Array:
-        graphdef, state = nnx.split(model)
-
-        def pure(state, tokens):
-            return next_char_loss(nnx.merge(graphdef, state), tokens)
-
-        return jaxamp.autocast(pure, policy)(state, tokens)
-
-    return loss
-
-
 def sizes(args: argparse.Namespace) -> dict[str, int]:
     """Model sizes after Tensor Core alignment (``jaxamp.align_dim``)."""
     width = jaxamp.align_dim(args.width, ALIGN)
@@ -211,7 +197,7 @@ def build(setup: str, dims: dict[str, int], seed: int) -> tuple[CharTransformer,
     layer_policy = jaxamp.get_policy("mixed_bfloat16" if setup == "mixed_bfloat16" else "float32")
     model = CharTransformer(layer_policy, rngs=nnx.Rngs(seed), **dims)
     if setup == "autocast_bfloat16":
-        return model, autocast_loss("mixed_bfloat16")
+        return model, _common.autocast_loss(next_char_loss, "mixed_bfloat16")
     return model, next_char_loss
 
 

@@ -1,21 +1,26 @@
-"""Mixed precision on real data: a Flax NNX CNN on scikit-learn's digits, four ways.
+"""Mixed precision on real data: a Flax NNX CNN on scikit-learn's digits, five ways.
 
 The 1,797 8x8 scans of handwritten digits that ship with scikit-learn (no
 download) train the same small CNN, from the same initial weights on the same
-batches, under four precision setups:
+batches, under five precision setups, each over several seeds (mean +- std):
 
 * ``float32``: the reference;
 * ``mixed_bfloat16``: float32 master weights, bfloat16 compute, no loss scaling
   (bfloat16 has float32's range);
 * ``mixed_float16``: float16 compute with jaxamp's dynamic loss scaling;
 * ``mixed_float16_no_scaling``: float16 compute with ``NoOpLossScale`` (jaxamp
-  still skips non-finite steps, but never scales).
+  still skips non-finite steps, but never scales);
+* ``autocast_bfloat16``: the float32 model with its loss wrapped in
+  ``jaxamp.autocast(loss, "mixed_bfloat16")`` (convolutions and matmuls in
+  bfloat16 with float32 accumulation; the model code untouched).
 
 It prints one table row per setup (test accuracy, final loss, skipped steps,
 final loss scale, compiled train-step memory, activation memory, step time) and
 writes the table (``digits.md``) and a PNG of the loss curves and loss-scale
 trajectories (``digits.png``) to ``--out``. ``--fast`` is the few-step mode the
-tests run. The defaults take well under 3 minutes on 2 CPU cores.
+tests run. The defaults (3 seeds, 600 steps) take about 3 minutes on 2 CPU cores.
+One seed's numbers are noise as much as signal: compare setups by the mean and
+the spread over seeds.
 
 How mixed precision enters a Flax NNX model (the three lines to copy):
 
@@ -50,15 +55,18 @@ import _common  # the examples folder is not a package: import by path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# setup name -> (policy preset, whether it uses dynamic loss scaling)
+# setup name -> (policy preset of the layers, whether it uses dynamic loss scaling)
 SETUPS: dict[str, tuple[str, bool]] = {
     "float32": ("float32", False),
     "mixed_bfloat16": ("mixed_bfloat16", False),
     "mixed_float16": ("mixed_float16", True),
     "mixed_float16_no_scaling": ("mixed_float16", False),
+    "autocast_bfloat16": ("float32", False),
 }
+# Setups whose float32 model runs its loss under jaxamp.autocast(loss, policy).
+AUTOCAST = {"autocast_bfloat16": "mixed_bfloat16"}
 # torch's GradScaler grows the scale every 2000 finite steps; these runs are only
-# ~1000 steps long, so the scale may grow every 200 to show the whole trajectory.
+# 600 steps long, so the scale may grow every 200 to show the whole trajectory.
 GROWTH_INTERVAL = 200
 LEARNING_RATE = 3e-3  # Adam's
 
@@ -150,6 +158,9 @@ def train(
     def loss_fn(model, x, y):
         return cross_entropy(model, x, y, loss_weight)
 
+    if setup in AUTOCAST:
+        loss_fn = _common.autocast_loss(loss_fn, AUTOCAST[setup])
+
     graphdef, state = nnx.split((model, optimizer))
     step = _common.make_train_step(graphdef, loss_fn, with_zero_fraction=True)
     x_train, y_train = data["x_train"], data["y_train"]
@@ -172,7 +183,7 @@ def train(
     seconds = timer.stop(state)
 
     model, optimizer = nnx.merge(graphdef, state)
-    test_logits = nnx.jit(lambda m, x: m(x))(model, data["x_test"])
+    test_logits = nnx.jit(lambda m, x: m(x))(model, data["x_test"])  # evaluated in float32
     test_loss = optax.softmax_cross_entropy_with_integer_labels(test_logits, data["y_test"])
     hist = _common.stack_history(history)
     hist["loss"] = hist["loss"] / loss_weight
@@ -195,7 +206,7 @@ def train(
 
 COLUMNS = [
     ("setup", "setup"),
-    ("accuracy", "test acc"),
+    ("accuracy", "test acc (mean +- std)"),
     ("test_loss", "test loss"),
     ("final_loss", "train loss (last steps)"),
     ("skipped", "skipped"),
@@ -212,9 +223,9 @@ def display_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [
         {
             "setup": r["setup"],
-            "accuracy": f"{r['accuracy']:.4f}",
-            "test_loss": f"{r['test_loss']:.4f}",
-            "final_loss": f"{r['final_loss']:.4f}",
+            "accuracy": _common.mean_std(r["seeds"]["accuracy"]),
+            "test_loss": _common.mean_std(r["seeds"]["test_loss"]),
+            "final_loss": _common.mean_std(r["seeds"]["final_loss"]),
             "skipped": str(r["skipped"]),
             "loss_scale": f"{r['loss_scale']:g}",
             "temp": _common.format_bytes(r["temp_bytes"]),
@@ -247,7 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=None, help="train steps (1000; --fast: 60)")
+    parser.add_argument("--steps", type=int, default=None, help="train steps (600; --fast: 60)")
     parser.add_argument("--batch-size", type=int, default=None, help="batch size (128; --fast: 32)")
     parser.add_argument(
         "--policies",
@@ -260,23 +271,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=RESULTS,
         help="folder for digits.md/.png (default: examples/results)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and batches")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (weights, batches)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per setup (3; --fast: 1)")
     parser.add_argument(
         "--learning-rate", type=float, default=LEARNING_RATE, help="Adam's (%(default)g)"
     )
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    args.steps = args.steps if args.steps is not None else (60 if args.fast else 1000)
+    args.steps = args.steps if args.steps is not None else (60 if args.fast else 600)
+    args.seeds = args.seeds if args.seeds is not None else (1 if args.fast else 3)
     args.batch_size = args.batch_size or (32 if args.fast else 128)
     args.setups = [s.strip() for s in args.policies.split(",") if s.strip()]
     unknown = [s for s in args.setups if s not in SETUPS]
     if unknown or not args.setups:
         valid = ", ".join(SETUPS)
         parser.error(f"--policies: unknown {unknown or args.policies!r}; valid: {valid}")
-    if args.steps < 1 or args.batch_size < 1:
-        parser.error("--steps and --batch-size must be >= 1")
+    if args.steps < 1 or args.batch_size < 1 or args.seeds < 1:
+        parser.error("--steps, --batch-size and --seeds must be >= 1")
     return args
+
+
+def seeds_text(args: argparse.Namespace) -> str:
+    last = args.seed + args.seeds - 1
+    return f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}..{last}"
+
+
+def over_seeds(runs: list[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> dict[str, Any]:
+    """One setup's row: the first seed's, with means over seeds and every seed's values."""
+    rows = [row for row, _ in runs]
+    seeds = {key: [r[key] for r in rows] for key in ("accuracy", "test_loss", "final_loss")}
+    means = {key: float(np.mean(values)) for key, values in seeds.items()}
+    step_ms = float(np.median([r["step_ms"] for r in rows]))
+    return {**rows[0], **means, "step_ms": step_ms, "seeds": seeds, "history": runs[0][1]}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -287,21 +314,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"jaxamp.policy_for_device(): {recommended}  ({reason})")
     print(
         f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test images, "
-        f"{args.steps} steps of batch {args.batch_size}, seed {args.seed}"
+        f"{args.steps} steps of batch {args.batch_size}, {seeds_text(args)}"
     )
     rows, histories = [], {}
     for setup in args.setups:
-        row, hist = train(
-            setup,
-            data,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            learning_rate=args.learning_rate,
-            show_progress=not args.no_progress,
-        )
-        rows.append({**row, "history": hist})
-        histories[setup] = hist
+        runs = [
+            train(
+                setup,
+                data,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                seed=seed,
+                learning_rate=args.learning_rate,
+                show_progress=not args.no_progress,
+            )
+            for seed in range(args.seed, args.seed + args.seeds)
+        ]
+        rows.append(over_seeds(runs))
+        histories[setup] = rows[-1]["history"]
     table = _common.markdown_table(display_rows(rows), COLUMNS)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -313,11 +343,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "batch); `activations (residuals)` is the size of what the backward pass keeps "
         "from the forward pass (the leaves of `jax.vjp`), independent of the platform. "
         "`ms/step` is wall time after compilation, including host-side batching. "
-        f"Dynamic loss scaling: `DynamicLossScale(growth_interval={GROWTH_INTERVAL})`."
+        f"Dynamic loss scaling: `DynamicLossScale(growth_interval={GROWTH_INTERVAL})`. "
+        f"Accuracy and losses: mean +- sample std over {seeds_text(args)} (each seed sets "
+        "the initial weights and the batches); the other columns and the plot: the first "
+        "seed, `ms/step` the median over seeds. `autocast_bfloat16` evaluates the test set "
+        "in float32 (only its training loss runs under autocast)."
     )
     _common.write_markdown(
         args.out / "digits.md",
-        "digits: one CNN, four precision setups",
+        "digits: one CNN, five precision setups",
         command,
         table,
         notes,
@@ -325,7 +359,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     plot(
         histories,
         args.out / "digits.png",
-        f"digits CNN, {args.steps} steps, batch {args.batch_size}, seed {args.seed}",
+        f"digits CNN, {args.steps} steps, batch {args.batch_size}, seed {args.seed} (first)",
     )
     print(f"wrote {args.out / 'digits.md'} and {args.out / 'digits.png'}")
     return rows

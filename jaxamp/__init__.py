@@ -25,12 +25,14 @@ from jaxamp._loss_scaling_state import (
     get_loss_scale,
     loss_scaling_metrics,
 )
+from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer
 from jaxamp._numerics import NumericsReport, OpStats, numerics_report
 from jaxamp._optax import loss_scaling
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._scaled_grad import scaled_value_and_grad
 from jaxamp._skip_guard import TooManySkippedSteps
+from jaxamp._stochastic_round import stochastic_round
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:
@@ -44,6 +46,7 @@ __all__ = [
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",
+    "LowPrecisionState",
     "MatmulInfo",
     "NoOpLossScale",
     "NumericsReport",
@@ -62,12 +65,14 @@ __all__ = [
     "get_policy",
     "loss_scaling",
     "loss_scaling_metrics",
+    "low_precision_optimizer",
     "numerics_report",
     "pad_to_multiple",
     "policy_for_device",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",
+    "stochastic_round",
     "tensor_core_multiple",
 ]
 

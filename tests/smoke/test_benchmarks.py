@@ -19,6 +19,7 @@ from benchmarks import (
     autocast_cpu_speed,
     compile_scaling,
     gpu_speed,
+    low_precision,
     numerics_cost,
     step_overhead,
 )
@@ -192,3 +193,26 @@ def test_numerics_cost_smoke(tmp_path, capsys):
         assert _positive(result[key]), key
     assert result["run_ratio"] == result["instrumented_run_s"] / result["plain_run_s"]
     assert "| smoke " in capsys.readouterr().out
+
+
+def test_low_precision_smoke(tmp_path):
+    out = tmp_path / "low_precision.json"
+    low_precision.main(["--smoke", "--out", str(out)])
+    results = {r["variant"]: r for r in _load(out)["results"]}
+    assert set(results) == set(low_precision.VARIANTS)
+    total = {name: r["total_bytes_per_param"] for name, r in results.items()}
+    n = results["float32_master"]["n_params"]
+    # Exact from the arrays: per-param bytes plus a few fixed scalars over n params.
+    for name, per_param in [
+        ("float32_master", 12),
+        ("optax_mu_dtype_bf16", 10),
+        ("bf16_params_f32_state", 10),
+        ("bf16_nearest", 6),
+        ("bf16_stochastic", 6),
+        ("bf16_kahan", 8),
+    ]:
+        fixed = results[name]["state_fixed_bytes"]
+        assert per_param <= total[name] <= per_param + fixed / n + 1e-9, name
+    for r in results.values():
+        assert _positive(r["median_s"]) and _positive(r["ratio_median"])
+    assert results["float32_master"]["ratio_median"] == 1.0

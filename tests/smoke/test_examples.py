@@ -26,6 +26,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 # The examples folder is not a package: import the scripts by path.
 charlm = importlib.import_module("charlm")
+charlm_low_precision = importlib.import_module("charlm_low_precision")
 digits = importlib.import_module("digits")
 underflow = importlib.import_module("underflow")
 
@@ -40,7 +41,7 @@ def run(main, argv):
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("digits")
-    setups = "float32,mixed_bfloat16,mixed_float16"
+    setups = "float32,mixed_bfloat16,mixed_float16,autocast_bfloat16"
     rows = run(digits.main, ["--fast", "--no-progress", "--out", str(out), "--policies", setups])
     return rows, out
 
@@ -84,8 +85,10 @@ def window_means(values, window=10):
 
 def test_digits_writes_table_and_plot(digits_run):
     rows, out = digits_run
-    assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16"]
+    assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16", "autocast_bfloat16"]
     assert_outputs(out, "digits", rows)
+    for row in rows.values():  # --fast runs one seed
+        assert row["seeds"]["accuracy"] == [row["accuracy"]]
 
 
 def test_digits_mixed_runs_agree_with_float32(digits_run):
@@ -94,7 +97,7 @@ def test_digits_mixed_runs_agree_with_float32(digits_run):
     ref_loss = reference["history"]["loss"]
     assert ref_loss[-10:].mean() < ref_loss[:10].mean() - 0.2  # it learns
     assert reference["accuracy"] > 0.4  # 10 classes: chance is 0.1
-    for setup in ("mixed_bfloat16", "mixed_float16"):
+    for setup in ("mixed_bfloat16", "mixed_float16", "autocast_bfloat16"):
         row = rows[setup]
         loss = row["history"]["loss"]
         assert loss.shape == ref_loss.shape
@@ -112,7 +115,7 @@ def test_digits_loss_scaling_state(digits_run):
     assert rows["mixed_float16"]["skipped"] == 0
     # 60 steps < growth interval: the dynamic scale stays at its initial 2**15.
     np.testing.assert_array_equal(rows["mixed_float16"]["history"]["loss_scale"], 2.0**15)
-    for setup in ("float32", "mixed_bfloat16"):
+    for setup in ("float32", "mixed_bfloat16", "autocast_bfloat16"):
         np.testing.assert_array_equal(rows[setup]["history"]["loss_scale"], 1.0)
         assert rows[setup]["skipped"] == 0
 
@@ -125,6 +128,16 @@ def test_digits_16_bit_compute_halves_activation_memory(digits_run):
     for row in rows.values():
         assert row["temp_bytes"] is None or row["temp_bytes"] > 0
         assert row["step_ms"] > 0
+
+
+def test_digits_reports_mean_and_std_over_seeds(tmp_path):
+    argv = ["--fast", "--no-progress", "--out", str(tmp_path), "--steps", "3"]
+    rows = run(digits.main, [*argv, "--seeds", "2", "--policies", "float32"])
+    accuracies = rows["float32"]["seeds"]["accuracy"]
+    assert len(accuracies) == 2 and rows["float32"]["accuracy"] == np.mean(accuracies)
+    table = (tmp_path / "digits.md").read_text()
+    assert f"| float32 | {digits._common.mean_std(accuracies)} |" in table
+    assert "+-" in table and "seeds 0..1" in table
 
 
 def test_digits_rejects_unknown_setup():
@@ -229,3 +242,20 @@ def test_charlm_text_and_alignment():
     dims = charlm.sizes(args)
     assert dims["padded_vocab"] == 128 and dims["vocab"] == 96
     assert dims["width"] == 64 and dims["mlp"] == 256
+
+
+def test_charlm_low_precision_rounding_modes(tmp_path):
+    argv = ["--fast", "--no-progress", "--out", str(tmp_path), "--steps", "2"]
+    with jax.numpy_dtype_promotion("standard"):
+        runs = charlm_low_precision.main([*argv, "--modes", "bf16_nearest,bf16_kahan"])
+    by_mode = {r["mode"]: r for r in runs}
+    assert set(by_mode) == {"bf16_nearest", "bf16_kahan"}
+    # bf16 params + bf16 AdamW moments: 6 bytes; Kahan's buffer: 2 more (plus a
+    # few fixed bytes of counters and key over the parameter count).
+    assert 6.0 < by_mode["bf16_nearest"]["bytes_per_param"] < 6.01
+    assert 8.0 < by_mode["bf16_kahan"]["bytes_per_param"] < 8.01
+    for r in runs:
+        assert math.isfinite(r["valid_bits"]) and r["valid_bits"] < 7.0
+    assert_outputs(tmp_path, "charlm_low_precision", ["bf16_nearest", "bf16_kahan"])
+    with pytest.raises(SystemExit):
+        charlm_low_precision.parse_args(["--modes", "bf16_float8"])
