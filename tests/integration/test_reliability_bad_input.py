@@ -286,17 +286,29 @@ CASES = [
         lambda: jaxamp.autocast(jnp.add, pad_to=0),
         ValueError,
         ["pad_to", "'auto'", "0"],
+    ),
+    (
         'low_precision_optimizer(tx, rounding="up")',
         lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), rounding="up"),
+        ValueError,
         ["rounding", "'up'", "'stochastic'", "'kahan'", "'nearest'"],
+    ),
+    (
         "low_precision_optimizer(tx, state_dtype=jnp.float32)",
         lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), state_dtype=jnp.float32),
+        ValueError,
         ["state_dtype", "16-bit", "float32", "jnp.bfloat16"],
+    ),
+    (
         "low_precision_optimizer(tx).init({'n': jnp.arange(3)})",
         lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1)).init({"n": jnp.arange(3)}),
+        TypeError,
         ["floating params", "params['n']", "int32"],
+    ),
+    (
         "stochastic_round(x, jnp.float32, key)",
         lambda: jaxamp.stochastic_round(jnp.ones(2), jnp.float32, jax.random.key(0)),
+        ValueError,
         ["dtype", "16-bit", "float32"],
     ),
 ]
