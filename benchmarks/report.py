@@ -15,6 +15,7 @@ from benchmarks import (
     compile_scaling,
     gpu_speed,
     low_precision,
+    numerics_cost,
     step_overhead,
 )
 
@@ -27,6 +28,7 @@ TABLES = {
     "gpu_speed": gpu_speed.table,
     "autocast_cpu_speed": autocast_cpu_speed.table,
     "low_precision": low_precision.table,
+    "numerics_cost": numerics_cost.table,
 }
 
 
