@@ -17,22 +17,22 @@ import importlib.util as _importlib_util
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
-from jaxamp._finite import all_finite, select_tree
-from jaxamp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp._loss_scaling_state import (
+from jaxamp._loss_scaling._finite import all_finite, select_tree
+from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
+from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling._skip_guard import TooManySkippedSteps
+from jaxamp._loss_scaling._state import (
     AccumulationState,
     LossScalingState,
     get_loss_scale,
     loss_scaling_metrics,
 )
-from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer
+from jaxamp._loss_scaling._transform import loss_scaling
+from jaxamp._low_precision._optimizer import LowPrecisionState, low_precision_optimizer
+from jaxamp._low_precision._rounding import stochastic_round
 from jaxamp._numerics import NumericsReport, OpStats, numerics_report
-from jaxamp._optax import loss_scaling
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
-from jaxamp._scaled_grad import scaled_value_and_grad
-from jaxamp._skip_guard import TooManySkippedSteps
-from jaxamp._stochastic_round import stochastic_round
 from jaxamp._version import __version__
 
 if _importlib_util.find_spec("flax") is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from flax import serialization
 
-from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling._scales import DynamicLossScale, NoOpLossScale, StaticLossScale
 
 
 def _to_state_dict(scale: Any) -> dict[str, Any]:

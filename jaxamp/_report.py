@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
-from jaxamp._autocast._interpreter import walk
 from jaxamp._checks import check_callable
+from jaxamp._engine._interpreter import walk
 
 __all__ = [
     "MatmulInfo",

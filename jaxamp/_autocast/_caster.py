@@ -14,9 +14,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
 from jaxamp._autocast._control_flow import HANDLERS
-from jaxamp._autocast._interpreter import eval_jaxpr
 from jaxamp._autocast._matmul import padded, run_matmul
 from jaxamp._autocast._values import (
     ACTIVATION,
@@ -27,6 +25,8 @@ from jaxamp._autocast._values import (
     promote,
     saturating_cast,
 )
+from jaxamp._engine import _compat as compat
+from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._policy import Policy
 
 __all__ = ["Autocaster", "UnknownPrimitiveWarning", "unknown_higher_order_message"]

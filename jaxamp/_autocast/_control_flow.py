@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
 from jaxamp._autocast._scatter import SCATTER_HANDLERS
 from jaxamp._autocast._values import PLAIN, aval, cast, is_float, promote
+from jaxamp._engine import _compat as compat
 
 __all__ = ["HANDLERS"]
 

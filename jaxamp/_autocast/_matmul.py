@@ -20,9 +20,9 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxamp._alignment import align_dim
-from jaxamp._autocast import _compat as compat
-from jaxamp._autocast._interpreter import eval_jaxpr
 from jaxamp._autocast._rules import MATMUL_PRIMITIVES
+from jaxamp._engine import _compat as compat
+from jaxamp._engine._interpreter import eval_jaxpr
 
 __all__ = ["padded", "run_matmul"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
+from jaxamp._engine import _compat as compat
 
 __all__ = ["save_narrow_values"]
 

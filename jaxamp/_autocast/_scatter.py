@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxamp._autocast import _compat as compat
 from jaxamp._autocast._values import PLAIN, is_float
+from jaxamp._engine import _compat as compat
 
 __all__ = ["SCATTER_HANDLERS"]
 

@@ -1,7 +1,7 @@
 """The traced half of the numerics report: run the program and measure every site.
 
 ``Recorder.run`` evaluates a closed jaxpr with jaxamp's one evaluation loop
-(``_autocast._interpreter.eval_jaxpr``). Environment values are ``Val(value,
+(``_engine._interpreter.eval_jaxpr``). Environment values are ``Val(value,
 finite, shadow)``: ``finite`` is a traced bool saying the array holds no inf/NaN
 (so an equation knows whether its inputs were finite without measuring them
 again) and ``shadow`` the value in float32 arithmetic (``_shadow``). Each
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
-from jaxamp._autocast._interpreter import eval_jaxpr
 from jaxamp._casting import is_floating
+from jaxamp._engine import _compat as compat
+from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._numerics._shadow import Val, materialize, shadow_outputs
 from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
 

@@ -25,8 +25,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
 from jaxamp._casting import is_floating
+from jaxamp._engine import _compat as compat
 
 __all__ = ["NO_SHADOW", "Val", "materialize", "shadow_outputs"]
 

@@ -30,7 +30,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
+from jaxamp._engine import _compat as compat
 
 __all__ = ["INLINE", "Site", "catalog", "inline_jaxpr", "structure_of", "user_source"]
 

@@ -12,11 +12,11 @@ from flax import linen as nn
 from flax.training import train_state
 
 from jaxamp._casting import cast_floating
-from jaxamp._finite import select
-from jaxamp._loss_scaling_state import get_loss_scale, loss_scaling_state, loss_scaling_states
-from jaxamp._optax import loss_scaling
+from jaxamp._loss_scaling._finite import select
+from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
+from jaxamp._loss_scaling._state import get_loss_scale, loss_scaling_state, loss_scaling_states
+from jaxamp._loss_scaling._transform import loss_scaling
 from jaxamp._policy import get_policy
-from jaxamp._scaled_grad import scaled_value_and_grad
 from jaxamp.flax._overrides import normalize_overrides, policy_for
 
 __all__ = ["LossScaledTrainState", "linen_policy"]

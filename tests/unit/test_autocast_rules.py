@@ -17,8 +17,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 import jaxamp
-from jaxamp._autocast import _compat as compat
-from jaxamp._autocast._interpreter import walk
+from jaxamp._engine import _compat as compat
+from jaxamp._engine._interpreter import walk
 
 PUBLIC_MODULES = ("jax.lax", "jax.extend.core.primitives", "jax.random", "jax.nn")
 

@@ -38,7 +38,7 @@ def test_all_finite_is_one_flat_reduction_in_the_jaxpr():
 
 
 def test_all_finite_groups_by_dtype_and_size(monkeypatch):
-    from jaxamp import _finite
+    from jaxamp._loss_scaling import _finite
 
     monkeypatch.setattr(_finite, "_GROUP_ELEMENTS", 8)
     tree = [jnp.ones(5), jnp.ones(5), jnp.ones(20), jnp.ones(3, jnp.bfloat16), jnp.ones(2)]
@@ -54,7 +54,7 @@ def test_all_finite_groups_by_dtype_and_size(monkeypatch):
 
 
 def test_all_finite_checks_large_leaves_on_their_own():
-    from jaxamp import _finite
+    from jaxamp._loss_scaling import _finite
 
     big = _finite._OWN_REDUCTION_ELEMENTS
     tree = [jnp.ones((big // 64, 64)), jnp.ones(7), jnp.ones(big + 1), jnp.ones(9)]

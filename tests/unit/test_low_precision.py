@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._low_precision import leaf_bits
-from jaxamp._stochastic_round import round_with_bits
+from jaxamp._low_precision._optimizer import leaf_bits
+from jaxamp._low_precision._rounding import round_with_bits
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 DTYPES = [BF16, F16]

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._optax import raw_grads_checkable
+from jaxamp._loss_scaling._transform import raw_grads_checkable
 from tests.helpers import bits
 
 

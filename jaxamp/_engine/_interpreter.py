@@ -20,7 +20,7 @@ from typing import Any
 import jax.extend.core as jex
 import numpy as np
 
-from jaxamp._autocast import _compat as compat
+from jaxamp._engine import _compat as compat
 
 __all__ = ["eval_jaxpr", "walk"]
 

@@ -11,10 +11,10 @@ import optax
 
 from jaxamp._casting import is_floating, widen
 from jaxamp._checks import is_int
-from jaxamp._finite import all_finite, select, select_tree
-from jaxamp._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxamp._loss_scaling_state import AccumulationState, LossScalingState
-from jaxamp._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
+from jaxamp._loss_scaling._finite import all_finite, select, select_tree
+from jaxamp._loss_scaling._scales import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
+from jaxamp._loss_scaling._state import AccumulationState, LossScalingState
 
 __all__ = ["loss_scaling", "raw_grads_checkable"]
 

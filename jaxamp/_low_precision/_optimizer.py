@@ -18,7 +18,7 @@ import optax
 
 from jaxamp._casting import is_floating
 from jaxamp._checks import is_int
-from jaxamp._stochastic_round import check_sixteen_bit, round_with_bits
+from jaxamp._low_precision._rounding import check_sixteen_bit, round_with_bits
 
 __all__ = ["LowPrecisionState", "leaf_bits", "low_precision_optimizer"]
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxamp._casting import is_floating, widen
 from jaxamp._checks import check_int_in_range, check_static
-from jaxamp._finite import check_finite_flag, select
+from jaxamp._loss_scaling._finite import check_finite_flag, select
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
