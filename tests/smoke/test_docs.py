@@ -8,6 +8,9 @@
   strict mode.
 - Every public name of jaxamp (and of its public submodules) has an API entry.
 - The numbers the primer quotes match the data the figure script produced.
+
+The repository paths, modules and sections the pages cite are checked, with those
+of the code and the other markdown files, by ``tests/smoke/test_references.py``.
 """
 
 from __future__ import annotations
@@ -71,18 +74,6 @@ def test_page_code_runs(page):
                 exec(code, module.__dict__)
     finally:
         del sys.modules[module.__name__]
-
-
-REPO_PATH = re.compile(
-    r"`((?:examples|benchmarks|tests|docs|jaxamp)/[\w./-]+\.(?:py|md|json|png)|[A-Z]+\.md)`"
-)
-
-
-def test_repository_paths_named_in_the_docs_exist():
-    named = {path for page in PAGES for path in REPO_PATH.findall(page.read_text())}
-    assert "examples/digits.py" in named  # the pattern itself works
-    missing = sorted(path for path in named if not (ROOT / path).exists())
-    assert not missing, f"the docs name files that do not exist: {missing}"
 
 
 def _public_names(module) -> set[str]:

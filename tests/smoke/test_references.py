@@ -45,7 +45,7 @@ _ROOT_FILE = re.compile(_NOT_PATH_BEFORE + r"([A-Z][A-Z_]*\.md|LICENSE)(?![\w/-]
 _MODULE = re.compile(_NOT_PATH_BEFORE + r"((?:benchmarks|examples|tests)(?:\.\w+)+)")
 _PRIVATE = re.compile(_NOT_PATH_BEFORE + r"(jaxamp(?:\.\w+)*\._\w+(?:\.\w+)*)")
 _FILE_EXTENSIONS = ("md", "py", "json", "png", "yml", "toml", "txt")
-_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_LINK = re.compile(r"(?<=\]\()([^)\s]+)(?=\))")
 _ANCHORED = re.compile(_NOT_PATH_BEFORE + r"((?:[\w.-]+/)*[\w.-]+\.md)#([\w-]+)")
 _SECTION_TITLE = re.compile(r"BENCHMARKS\.md(?:,|:| section| \(section)?\s*[\"“]([^\"”]+)[\"”]")
 _PLACEHOLDER = re.compile(r"[<\[{]")
@@ -210,7 +210,7 @@ def anchors(path: Path) -> frozenset[str]:
 
 
 def _rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
 
 
 # A check takes the citing file and the match, and says what is wrong (None: nothing).
@@ -277,7 +277,7 @@ def _problems_in(path: Path) -> list[str]:
     for pattern, check in CHECKS:
         for line, match in _citations(chunks, pattern):
             why = check(path, match)
-            cited = match.group(0).strip()
+            cited = match.group(0).rstrip(".-")
             if why and (rel, cited) not in ALLOWED:
                 problems.append(f"{rel}:{line}: {cited!r} {why}")
     return problems
@@ -311,6 +311,36 @@ def test_placeholders_globs_and_user_paths():
     assert _private_name_resolves("jaxamp._policy.Policy")
     assert not _private_name_resolves("jaxamp._policy.Gone")
     assert not _private_name_resolves("jaxamp._gone")
+
+
+STALE = """# Notes
+
+See `jaxamp/_gone.py`, the runs (BENCHMARKS.md#gone-runs), BENCHMARKS.md, "Gone
+section", `python -m benchmarks.gone`, `jaxamp._autocast._gone`, [here](#nowhere),
+[there](nothing.md) and tests/gone/.
+Fine: `jaxamp/_policy.py`, BENCHMARKS.md#older-runs, BENCHMARKS.md, "Older
+runs", [notes](#notes), /tmp/tests/gone.py, `benchmarks/results/<script>.json`.
+"""
+
+
+def test_stale_citations_are_found(tmp_path):
+    markdown = tmp_path / "notes.md"
+    markdown.write_text(STALE)
+    python = tmp_path / "notes.py"  # the same text as comments
+    python.write_text("".join(f"# {line}\n" for line in STALE.splitlines()) + "x = 1\n")
+    for path in (markdown, python):
+        found = [problem.split(": ", 1)[1] for problem in _problems_in(path)]
+        cited = [problem[: problem.rindex("' ") + 1] for problem in found]
+        links = ["'#nowhere'", "'nothing.md'"] if path == markdown else []
+        assert cited == [
+            "'jaxamp/_gone.py'",
+            "'tests/gone/'",
+            "'benchmarks.gone'",
+            "'jaxamp._autocast._gone'",
+            *links,
+            "'BENCHMARKS.md#gone-runs'",
+            repr('BENCHMARKS.md, "Gone\nsection"'),
+        ], found
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=[_rel(p) for p in SOURCES])
