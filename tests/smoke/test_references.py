@@ -42,6 +42,11 @@ ALLOWED: dict[tuple[str, str], str] = {}
 _NOT_PATH_BEFORE = r"(?<![\w./~:-])"  # not inside a longer path, a URL or a user path
 _PATH = re.compile(_NOT_PATH_BEFORE + rf"((?:{'|'.join(FOLDERS)})/[\w./<>\[\]{{}}*-]*)")
 _ROOT_FILE = re.compile(_NOT_PATH_BEFORE + r"([A-Z][A-Z_]*\.md|LICENSE)(?![\w/-])")
+# A file name relative to the citing file's folder or a folder above it (``_rules.py``,
+# ``_engine/_compat.py``), in backticks: how jaxamp's modules and READMEs cite their
+# neighbours. Checked under jaxamp/ only: elsewhere such names are mostly what a script
+# writes (``digits.md`` to ``--out``) or what a user has.
+_NEIGHBOUR = re.compile(r"(?<=`)((?:\.\./)*[\w-]+(?:/[\w-]+)*\.(?:py|md))(?=`)")
 _MODULE = re.compile(_NOT_PATH_BEFORE + r"((?:benchmarks|examples|tests)(?:\.\w+)+)")
 _PRIVATE = re.compile(_NOT_PATH_BEFORE + r"(jaxamp(?:\.\w+)*\._\w+(?:\.\w+)*)")
 _FILE_EXTENSIONS = ("md", "py", "json", "png", "yml", "toml", "txt")
@@ -220,6 +225,16 @@ def _check_path(citing: Path, match: re.Match) -> str | None:
     return None
 
 
+def _check_neighbour(citing: Path, match: re.Match) -> str | None:
+    cited = match.group(1)
+    if not _rel(citing).startswith("jaxamp/") or cited.split("/")[0] in FOLDERS:
+        return None  # see _NEIGHBOUR; repository paths are checked as such
+    folders = [citing.parent, *(p for p in citing.parent.parents if p.is_relative_to(ROOT))]
+    if not any((folder / cited).exists() for folder in folders):
+        return "is not a file next to this one or in a folder above it"
+    return None
+
+
 def _check_module(citing: Path, match: re.Match) -> str | None:
     if not _module_resolves(match.group(1).rstrip(".")):
         return "is not a module of the repository"
@@ -261,6 +276,7 @@ def _check_section_title(citing: Path, match: re.Match) -> str | None:
 CHECKS = (
     (_PATH, _check_path),
     (_ROOT_FILE, _check_path),
+    (_NEIGHBOUR, _check_neighbour),
     (_MODULE, _check_module),
     (_PRIVATE, _check_private_name),
     (_LINK, _check_link),
@@ -306,6 +322,10 @@ def test_placeholders_globs_and_user_paths():
     assert not _path_resolves("docs/figures/*.gif", ROOT)
     user_paths = "/tmp/jaxamp/tests/x.py ~/docs/a.md https://x.org/docs/b.md ../docs/c.py"
     assert not [m.group(1) for m in _PATH.finditer(user_paths)]
+    readme = ROOT / "jaxamp" / "_autocast" / "README.md"
+    assert _check_neighbour(readme, _NEIGHBOUR.search("`_rules.py`")) is None
+    assert _check_neighbour(readme, _NEIGHBOUR.search("`_engine/_compat.py`")) is None
+    assert _check_neighbour(readme, _NEIGHBOUR.search("`_gone.py`"))
     assert _module_resolves("benchmarks.report") and not _module_resolves("benchmarks.gone")
     assert _module_resolves("examples.md")
     assert _private_name_resolves("jaxamp._policy.Policy")
