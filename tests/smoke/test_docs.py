@@ -110,6 +110,24 @@ def test_api_directives_name_real_objects():
         assert hasattr(module, attr), f"docs/api names {directive}, which does not exist"
 
 
+def test_autocast_page_higher_order_table_matches_the_rules():
+    # The hand-written table of higher-order primitives (the generated one covers all
+    # rules): "run as traced" is the keep rule, anything rebuilt or inlined is recurse.
+    page = (DOCS / "api" / "autocast.md").read_text()
+    section = page[page.index("## Higher-order primitives") :]
+    section = section[: section.index("\n## ")]
+    listed = {}
+    for names, handling in re.findall(r"^\| (.+?) \| (.+?) \|$", section, re.MULTILINE)[2:]:
+        kind = "keep" if handling.startswith("run as traced") else "recurse"
+        names = re.sub(r"\([^)]*\)", "", names)  # "(`.at[]`, `segment_sum`)" are examples
+        listed.update(dict.fromkeys(re.findall(r"`([\w-]+)`", names), kind))
+    rules = jaxamp.AUTOCAST_RULES
+    wrong = {p: (kind, rules[p]) for p, kind in listed.items() if p in rules and rules[p] != kind}
+    assert not wrong, f"the page says (page, rule): {wrong}"
+    unlisted = {p for p, kind in rules.items() if kind == "recurse"} - listed.keys()
+    assert not unlisted, f"recurse primitives missing from the page's table: {unlisted}"
+
+
 def test_primer_quotes_the_figure_data():
     data = json.loads((DOCS / "figures" / "fp16_underflow.json").read_text())
     primer = (DOCS / "primer.md").read_text()
