@@ -52,7 +52,7 @@ _PRIVATE = re.compile(_NOT_PATH_BEFORE + r"(jaxamp(?:\.\w+)*\._\w+(?:\.\w+)*)")
 _FILE_EXTENSIONS = ("md", "py", "json", "png", "yml", "toml", "txt")
 _LINK = re.compile(r"(?<=\]\()([^)\s]+)(?=\))")
 _ANCHORED = re.compile(_NOT_PATH_BEFORE + r"((?:[\w.-]+/)*[\w.-]+\.md)#([\w-]+)")
-_SECTION_TITLE = re.compile(r"BENCHMARKS\.md(?:,|:| section| \(section)?\s*[\"“]([^\"”]+)[\"”]")
+_SECTION_TITLE = re.compile(r"BENCHMARKS\.md(?:,|:| section| \(section| \()?\s*[\"“]([^\"”]+)[\"”]")
 _PLACEHOLDER = re.compile(r"[<\[{]")
 _FENCE = re.compile(r"^([ \t]*)```.*?^\1```[ \t]*$", re.MULTILINE | re.DOTALL)
 _HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
@@ -70,22 +70,24 @@ def _sources() -> list[Path]:
 def _python_prose(source: str) -> list[tuple[int, str]]:
     """(first line, text) of every comment run and string literal of a Python file."""
     chunks: list[tuple[int, str]] = []
-    comment: list[str] = []
+    comment = ""  # a run of comment lines, one text line per source line
     comment_line = 0
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
-            comment_line = comment_line or token.start[0]
-            comment.append(token.string.lstrip("#").strip())  # one per line: exact line numbers
+            if not comment:
+                comment_line = token.start[0]
+            gap = token.start[0] - comment_line - comment.count("\n")
+            comment += "\n" * gap + token.string.lstrip("#").strip()
             continue
         if token.type in (tokenize.NL, tokenize.NEWLINE) and comment:
             continue  # a comment run goes on over line ends
         if comment:
-            chunks.append((comment_line, "\n".join(comment)))
-            comment, comment_line = [], 0
+            chunks.append((comment_line, comment))
+            comment = ""
         if token.type == tokenize.STRING or token.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
             chunks.append((token.start[0], token.string))
     if comment:
-        chunks.append((comment_line, "\n".join(comment)))
+        chunks.append((comment_line, comment))
     return chunks
 
 
@@ -307,8 +309,8 @@ def test_the_sources_and_patterns_cover_what_is_cited():
     assert {"README.md", "CHANGELOG.md", "docs/guide.md", "jaxamp/_policy.py"} <= names
     readme = _prose(ROOT / "README.md")
     assert "examples/digits.py" in {m.group(1) for _, m in _citations(readme, _PATH)}
-    comment = _python_prose("x = 1\n# see BENCHMARKS.md,\n# \"Older\n# runs\"\ny = 'z'\n")
-    assert comment == [(2, 'see BENCHMARKS.md,\n"Older\nruns"'), (5, "'z'")]
+    comment = _python_prose("x = 1\n# see BENCHMARKS.md,\n\n# \"Older\n# runs\"\ny = 'z'\n")
+    assert comment == [(2, 'see BENCHMARKS.md,\n\n"Older\nruns"'), (6, "'z'")]
     cited = _citations([(3, 'a\nBENCHMARKS.md, "Older\n    runs"')], _SECTION_TITLE)
     assert [(line, m.group(1)) for line, m in cited] == [(4, "Older\n    runs")]
     assert "older-runs" in anchors(ROOT / "BENCHMARKS.md")
