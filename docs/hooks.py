@@ -96,7 +96,10 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
 
 
 if __name__ == "__main__":  # python docs/hooks.py: rewrite README.md's rules table
+    import sys
     from pathlib import Path
 
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))  # this checkout's jaxamp, not another installed one
+    readme = root / "README.md"
     readme.write_text(readme_with_rules_table(readme.read_text()))

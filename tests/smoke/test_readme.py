@@ -17,6 +17,8 @@ from pathlib import Path
 import jax
 import pytest
 
+import jaxamp
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 RESULTS = ROOT / "examples" / "results"
@@ -57,8 +59,6 @@ def _load_hooks():
 
 
 def test_readme_rules_table_is_generated_from_autocast_rules():
-    import jaxamp
-
     hooks = _load_hooks()
     text = README.read_text()
     assert hooks.readme_with_rules_table(text) == text, "stale: run python docs/hooks.py"
