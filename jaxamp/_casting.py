@@ -1,4 +1,5 @@
-"""Casting the floating-point leaves of a pytree, and nothing else."""
+"""Dtype helpers: casting the floating-point leaves of a pytree (and nothing else),
+dtype names, and widening narrow floats to float32."""
 
 from __future__ import annotations
 
