@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._casting import is_floating
-from jaxamp._checks import is_int
+from jaxamp._casting import is_floating, widen
+from jaxamp._checks import check_transformation, is_int
 from jaxamp._low_precision._rounding import check_sixteen_bit, round_with_bits
 
 __all__ = ["LowPrecisionState", "leaf_bits", "low_precision_optimizer"]
@@ -67,10 +67,6 @@ def _round(x: jax.Array, dtype: np.dtype, rounding: str, bits: Any) -> jax.Array
 
 def _is_sixteen_bit(x: Any) -> bool:
     return is_floating(x) and jnp.dtype(x.dtype).itemsize == 2
-
-
-def _widen(x: Any) -> Any:
-    return x.astype(jnp.float32) if _is_sixteen_bit(x) else x
 
 
 def _is_stored_narrow(x: Any) -> bool:
@@ -144,11 +140,7 @@ def _round_state(new_state, old_state, rounding, state):
 
 
 def _check_arguments(inner: Any, rounding: Any, state_dtype: Any, seed: Any) -> tuple:
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"got {type(inner).__name__}: {inner!r}."
-        )
+    check_transformation(inner, "inner")
     rounding = _check_rounding(rounding)
     if state_dtype is not None:
         state_dtype = check_sixteen_bit(state_dtype, "state_dtype")
@@ -227,7 +219,7 @@ def low_precision_optimizer(
 
     def init_fn(params):
         _check_params(params, "init")
-        inner_state = inner.init(jax.tree.map(_widen, params))
+        inner_state = inner.init(jax.tree.map(widen, params))
         if state_dtype is not None:
             inner_state = jax.tree.map(
                 lambda x: x.astype(state_dtype) if _is_stored_narrow(x) else x, inner_state
@@ -249,9 +241,9 @@ def low_precision_optimizer(
         _check_params(params, "update")
         inner_state = state.inner_state
         if state_dtype is not None:
-            inner_state = jax.tree.map(_widen, inner_state)
+            inner_state = jax.tree.map(widen, inner_state)
         inner_updates, new_inner = inner.update(
-            jax.tree.map(_widen, updates), inner_state, jax.tree.map(_widen, params), **extra_args
+            jax.tree.map(widen, updates), inner_state, jax.tree.map(widen, params), **extra_args
         )
         if state_dtype is not None:
             new_inner = _round_state(new_inner, state.inner_state, rounding, state)
