@@ -27,12 +27,11 @@ import numpy as np
 
 from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
+from jaxamp._numerics._retype import check_lowers, every_twin_checked, twin_params
 
 __all__ = ["NO_SHADOW", "Val", "materialize", "shadow_outputs"]
 
 NO_SHADOW = frozenset({"bitcast_convert_type", "random_bits", "random_wrap", "iota", "rng_uniform"})
-# Parameters that name an output dtype (a 16-bit one is widened in the shadow).
-_DTYPE_PARAMS = ("new_dtype", "preferred_element_type", "out_dtype", "dtype")
 # Rounding to another dtype: the shadow of the result is the shadow of the input.
 _ROUNDING = frozenset({"convert_element_type", "reduce_precision"})
 
@@ -76,23 +75,15 @@ def shadow_outputs(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any]) -
     if eqn.primitive.name in _ROUNDING and is_floating(ins[0].value):
         target = jnp.float32 if is_narrow(outs[0]) else outs[0].dtype
         return [widened(ins[0]).astype(target)]
-    params = {
-        name: (jnp.float32 if name in _DTYPE_PARAMS and _is_narrow_dtype(value) else value)
-        for name, value in eqn.params.items()
-    }
+    args = [widened(v) for v in ins]
     try:
-        shadows = compat.bind_eqn(eqn.replace(params=params), [widened(v) for v in ins])
-    except Exception:  # a primitive that insists on its dtypes: restart from the value
+        params, risky = twin_params(eqn)
+        if risky or every_twin_checked():
+            check_lowers(eqn, params, args)
+        shadows = compat.bind_eqn(eqn.replace(params=params), args)
+    except Exception:  # a primitive that insists on its dtypes: restart
         return [None] * len(outs)
     return [
         shadow if is_float and np.shape(shadow) == np.shape(out) else None
         for out, shadow, is_float in zip(outs, shadows, floating, strict=True)
     ]
-
-
-def _is_narrow_dtype(value: Any) -> bool:
-    try:
-        dtype = np.dtype(value)
-    except (TypeError, ValueError):
-        return False
-    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
