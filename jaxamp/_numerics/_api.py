@@ -158,9 +158,12 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
             return call(*full)
 
         loss, backward = jax.vjp(of_wrt, [dyn[i] for i in wrt])
-        return loss, backward(seed)
+        # The seed is a float32 argument rounded to the loss dtype here: the rounding is
+        # a measured op, so a float16 loss's seed counts for the loss scale, and its
+        # float32 twin is the true scale even where the float16 seed overflows.
+        return loss, backward(seed.astype(out.dtype))
 
-    return program, [*dynamic, jnp.asarray(scale, out.dtype)]
+    return program, [*dynamic, jnp.asarray(scale, jnp.float32)]
 
 
 def _describe(tree: Any) -> str:
@@ -201,6 +204,11 @@ def _summarise(sites: list[Site], floats, ints, scale: float | None) -> Numerics
     return NumericsReport(tuple(ops), origin, suggested, scale, largest)
 
 
+def _narrow_range(dtype) -> bool:
+    """A floating dtype whose range is smaller than float32's (float16, not bfloat16)."""
+    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
 def _largest_loss_scale(ops: list[OpStats], scale: float | None) -> float | None:
     """The largest power of two at which every backward op stays below its dtype's max.
 
@@ -208,9 +216,9 @@ def _largest_loss_scale(ops: list[OpStats], scale: float | None) -> float | None
     scale ``s`` reaches ``m * S / s`` at scale ``S``; ``m`` is the float32 twin's
     magnitude, so an op that already overflowed still gives its true size.
     """
-    backward = [op for op in ops if op.scaled]
-    if scale is None or not any(np.dtype(op.dtype).itemsize < 4 for op in backward):
-        return None
+    backward = [op for op in ops if op.scaled and _narrow_range(op.dtype)]
+    if scale is None or not backward:
+        return None  # no float16 cotangent: loss scaling is not needed
     limits = [
         float(jnp.finfo(op.dtype).max) * scale / op.max_abs_float32
         for op in backward

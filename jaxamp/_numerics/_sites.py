@@ -167,6 +167,7 @@ def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
     if kind in _BODIES:
         return _BODIES[kind](eqn, ins, where, index, sites)
     phase = "forward" if any(where.live_outs) else "backward"
+    scaled = scaled_outputs(eqn, ins)
     for k, var in enumerate(eqn.outvars):
         dtype = getattr(var.aval, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
@@ -179,13 +180,37 @@ def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
                     eqn.primitive.name,
                     source,
                     phase,
-                    any(ins),
+                    scaled[k],
                     np.dtype(dtype),
                     shape,
                     where.in_loop,
                 )
             )
-    return [any(ins)] * len(eqn.outvars)
+    return scaled
+
+
+# Primitives whose output i is operand i (grouped only to order them): the barrier
+# autocast puts around a matmul's operands pairs a cotangent with forward values.
+_PER_OPERAND = frozenset({"optimization_barrier"})
+
+
+def scaled_outputs(eqn: jex.JaxprEqn, ins: Sequence[bool]) -> list[bool]:
+    """Which outputs of a first-order ``eqn`` depend on the seed, from which inputs do.
+
+    Data flow of the cotangent only: an output of a per-operand primitive follows
+    its own operand, and an integer or bool output (a mask, a comparison) is never
+    scaled: it is not proportional to the loss scale.
+    """
+    if eqn.primitive.name in _PER_OPERAND and len(ins) == len(eqn.outvars):
+        flags = list(ins)
+    else:
+        flags = [any(ins)] * len(eqn.outvars)
+    return [flag and _is_floating_var(var) for flag, var in zip(flags, eqn.outvars, strict=True)]
+
+
+def _is_floating_var(var) -> bool:
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _body_where(where: _Where, index: int, n_outs: int) -> _Where:

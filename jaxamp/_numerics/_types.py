@@ -137,6 +137,8 @@ class NumericsReport:
                 f"(largest without backward overflow {_power(self.max_loss_scale)}, "
                 f"safety factor {SAFETY_FACTOR}; measured at loss scale {self.loss_scale:g})"
             )
+        elif self.loss_scale is not None:
+            lines.append("loss scale: not needed (no float16 value in the backward pass)")
         if len(self.ops) > _ROWS:
             lines.append(f"(tables cut to {_ROWS} rows; report.ops has all {len(self.ops)})")
         return "\n".join(lines)
