@@ -27,7 +27,7 @@ import numpy as np
 from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._numerics._shadow import Val, materialize, shadow_outputs
+from jaxamp._numerics._shadow import Val, is_narrow, materialize, shadow_outputs
 from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
 
 __all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
@@ -73,9 +73,25 @@ def _lift(const: Any) -> Val:
     # Behind a barrier, statistics of constants (masks, broadcast literals) run at run
     # time: XLA would otherwise constant-fold their reductions, slowly, at compile time.
     dtype = getattr(const, "dtype", None)
+    born_here = _rounded_to_nonfinite(const)
     if dtype is not None and (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
         const = jax.lax.optimization_barrier(jnp.asarray(const))
-    return Val(const, all_finite_flag(const))
+    return Val(const, jnp.bool_(True) if born_here else all_finite_flag(const))
+
+
+def _rounded_to_nonfinite(const: Any) -> bool:
+    """A 16-bit constant holding inf/NaN: JAX rounded an out-of-range number while tracing.
+
+    ``x * 1e5`` on a float16 ``x`` holds the literal ``inf:f16``. Such a constant counts
+    as a finite input, so the op that uses it is the origin, at the user's line; an
+    inf in a 32-bit constant (an ``-inf`` mask) was written on purpose and does not.
+    """
+    if not is_narrow(const):
+        return False
+    try:
+        return not bool(np.all(np.isfinite(np.asarray(const))))
+    except (TypeError, jax.errors.TracerArrayConversionError):
+        return False
 
 
 def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:

@@ -8,14 +8,18 @@ its equation, then the equation index and output index, so an inner jaxpr that
 two call sites share still gives two sites.
 
 The phase comes from data flow, not from names. An equation is ``"forward"`` when
-the program's primal outputs (the loss) depend on it, and ``"backward"`` otherwise:
-the cotangent computation and the derivative-only values computed alongside the
-forward pass (``0.5 / sqrt(x)`` for ``sqrt``), so an inf/NaN that only the
-gradient sees is reported as backward. Separately, the gradient program takes
-the cotangent seed (the loss scale) as its last argument, and an output that
-depends on it is ``scaled``: proportional to the loss scale, which is what the
-suggested loss scale is computed from (a rematerialised forward value inside the
-backward pass is not).
+the program's primal outputs (the loss) depend on it, ``"backward"`` when only the
+gradients do (the cotangent computation and the derivative-only values computed
+alongside the forward pass, ``0.5 / sqrt(x)`` for ``sqrt``), so an inf/NaN that only
+the gradient sees is reported as backward, and ``"state"`` when only the auxiliary
+outputs of ``has_aux`` do (updated batch statistics, an EMA codebook). Code that
+nothing returns is backward if it depends on the seed, else forward.
+
+Separately, the gradient program takes the cotangent seed (the loss scale) as its
+last argument, and an output that depends on it is ``scaled``: proportional to the
+loss scale, which is what the suggested loss scale is computed from (a
+rematerialised forward value inside the backward pass is not, nor is a forward
+value that a barrier groups with a cotangent, nor an integer or bool value).
 """
 
 from __future__ import annotations
@@ -87,18 +91,28 @@ def _library_dirs() -> tuple[str, ...]:
 _LIBRARY_DIRS = _library_dirs()
 
 
-def user_source(eqn: jex.JaxprEqn) -> str:
+def user_frame(eqn: jex.JaxprEqn) -> str | None:
     """``"path/to/file.py:LINE"`` of the innermost frame outside JAX, jaxamp and libraries.
 
     Installed libraries (Flax, Haiku, Equinox, optax) count as library code, so a
-    ``nn.Dense`` is attributed to the user's line that calls it. The innermost
-    frame of all is the fallback when every frame is library code.
+    ``nn.Dense`` is attributed to the user's line that calls it. None when every
+    frame is library code: an equation of a jaxpr that JAX traced inside its own
+    jitted function (``jnp.where``, ``jax.nn.relu``, ``jnp.linalg.norm``), whose
+    user line is that of the equation calling the function.
     """
-    frames = compat.source_frames(eqn)
-    for file_name, line in frames:
+    for file_name, line in compat.source_frames(eqn):
         real = os.path.realpath(file_name)
         if not real.startswith(_LIBRARY_DIRS) and not file_name.startswith("<"):
             return f"{file_name}:{line}"
+    return None
+
+
+def user_source(eqn: jex.JaxprEqn, caller: str | None = None) -> str:
+    """:func:`user_frame`, else the calling equation's (``caller``), else the innermost frame."""
+    found = user_frame(eqn) or caller
+    if found is not None:
+        return found
+    frames = compat.source_frames(eqn)
     return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown>:0"
 
 
@@ -110,15 +124,26 @@ def structure_of(eqn: jex.JaxprEqn) -> str:
     return INLINE if inline_jaxpr(eqn) is not None else "op"
 
 
-def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[bool]) -> list[Site]:
+# Phases, strongest first: an equation takes the strongest phase of the outputs that
+# need it (what the loss needs is forward even if the gradient needs it too).
+PHASES = ("forward", "backward", "state")
+_RANK = {phase: rank for rank, phase in enumerate(PHASES)}
+_NONE = len(PHASES)  # needed by no output of the program (dead code)
+
+
+def catalog(
+    closed: jex.ClosedJaxpr, tainted: Sequence[bool], out_phases: Sequence[str]
+) -> list[Site]:
     """Every measured output of ``closed``, in program order.
 
-    ``tainted``: which arguments are the cotangent seed; ``primal``: which outputs
-    are primal results (the loss), the rest being gradients.
+    ``tainted``: which arguments are the cotangent seed; ``out_phases``: the phase of
+    each program output (``"forward"`` for the loss, ``"backward"`` for gradients,
+    ``"state"`` for auxiliary outputs such as updated statistics).
     """
     sites: list[Site] = []
     # Without a seed (no gradient) every op is forward, dead code included.
-    where = _Where((), False, list(primal) if any(tainted) else [True] * len(primal))
+    dead = None if any(tainted) else "forward"
+    where = _Where((), False, [_RANK[phase] for phase in out_phases], dead)
     _visit(closed.jaxpr, list(tainted), where, sites)
     return sites
 
@@ -126,21 +151,35 @@ def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[b
 class _Where(NamedTuple):
     path: tuple
     in_loop: bool
-    live_outs: list[bool]  # which outputs of this jaxpr the primal results need (or all)
+    live_outs: list[int]  # per output of this jaxpr: the rank of the strongest phase needing it
+    dead: str | None = None  # the phase of dead code (None: by its data flow)
+    caller: str | None = None  # the user line of the equation whose body this is
 
 
-def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[bool]) -> list[list[bool]]:
-    """Per equation, which of its outputs the primal results need (backward liveness)."""
-    live = {v for v, keep in zip(jaxpr.outvars, live_outs, strict=True) if keep}
-    if all(live_outs):
-        return [[True] * len(eqn.outvars) for eqn in jaxpr.eqns]
+def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[int]) -> list[list[int]]:
+    """Per equation, per output, the strongest phase that needs it (backward liveness)."""
+    need: dict = {}
+    for var, rank in zip(jaxpr.outvars, live_outs, strict=True):
+        if isinstance(var, jex.Var):
+            need[var] = min(need.get(var, _NONE), rank)
     per_eqn = []
     for eqn in reversed(jaxpr.eqns):
-        outs = [isinstance(v, jex.Var) and v in live for v in eqn.outvars]
-        if any(outs):
-            live.update(v for v in eqn.invars if isinstance(v, jex.Var))
+        outs = [need.get(v, _NONE) if isinstance(v, jex.Var) else _NONE for v in eqn.outvars]
+        rank = min(outs, default=_NONE)
+        for v in eqn.invars:
+            if isinstance(v, jex.Var):
+                need[v] = min(need.get(v, _NONE), rank)
         per_eqn.append(outs)
     return per_eqn[::-1]
+
+
+def _phase(where: _Where, scaled: bool) -> str:
+    rank = min(where.live_outs, default=_NONE)
+    if rank == _NONE:  # dead code: what nothing returns
+        # A cotangent JAX computed and dropped is backward; a value computed from the
+        # inputs that nothing uses (a model's unused branch) is forward.
+        return where.dead or ("backward" if scaled else "forward")
+    return PHASES[rank]
 
 
 def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list:
@@ -160,19 +199,22 @@ def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list
 
 def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
     kind = structure_of(eqn)
+    # Bodies traced inside JAX's own jitted functions have no user frame: they
+    # inherit the user line of the equation that calls them.
+    where = where._replace(caller=user_frame(eqn) or where.caller)
     path = where.path
-    inner = _Where((*path, (index, 0)), where.in_loop, where.live_outs)
+    inner = where._replace(path=(*path, (index, 0)))
     if kind == INLINE:
         return _visit(inline_jaxpr(eqn).jaxpr, ins, inner, sites)
     if kind in _BODIES:
         return _BODIES[kind](eqn, ins, where, index, sites)
-    phase = "forward" if any(where.live_outs) else "backward"
     scaled = scaled_outputs(eqn, ins)
+    phase = _phase(where, any(scaled))
     for k, var in enumerate(eqn.outvars):
         dtype = getattr(var.aval, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
             key = (path, index, k)
-            source = user_source(eqn)
+            source = user_source(eqn, where.caller)
             shape = tuple(var.aval.shape)
             sites.append(
                 Site(
@@ -214,8 +256,9 @@ def _is_floating_var(var) -> bool:
 
 
 def _body_where(where: _Where, index: int, n_outs: int) -> _Where:
-    # A loop body runs for the primal results if the loop does (any output).
-    return _Where((*where.path, (index, 0)), True, [any(where.live_outs)] * n_outs)
+    # A loop body runs for the strongest phase that needs any output of the loop.
+    live = [min(where.live_outs, default=_NONE)] * n_outs
+    return where._replace(path=(*where.path, (index, 0)), in_loop=True, live_outs=live)
 
 
 def _visit_scan(eqn, ins, where, index, sites):

@@ -89,6 +89,8 @@ class NumericsReport:
       loss_scale: the loss scale the gradient was computed with (None without grad).
       max_loss_scale: the largest power of two with no backward overflow (the
         suggestion times the safety factor), or None.
+      nonfinite_inputs: the arguments that hold an inf/NaN, each named by its
+        parameter and its path inside it (``"params['w1']"``), in argument order.
     """
 
     ops: tuple[OpStats, ...]
@@ -96,6 +98,7 @@ class NumericsReport:
     suggested_loss_scale: float | None
     loss_scale: float | None = None
     max_loss_scale: float | None = None
+    nonfinite_inputs: tuple[str, ...] = ()
 
     def nearest_overflow(self, n: int = _ROWS) -> list[OpStats]:
         """The ``n`` ops with the largest ``headroom`` (closest to their dtype's max)."""
@@ -118,11 +121,10 @@ class NumericsReport:
         counts = ", ".join(f"{n} {phase}" for phase, n in phases.items())
         lines = [f"numerics_report: {len(self.ops)} op outputs ({counts})"]
         origin = self.first_nonfinite
+        if self.nonfinite_inputs:
+            lines.append("non-finite inputs: " + ", ".join(self.nonfinite_inputs))
         if origin is None:
-            bad = len(self.nonfinite_ops)
-            lines.append(
-                "no inf/NaN" if not bad else f"inf/NaN only from non-finite inputs ({bad} ops)"
-            )
+            lines.append(_no_origin(len(self.nonfinite_ops), bool(self.nonfinite_inputs)))
         else:
             lines.append("first inf/NaN made from finite inputs:")
             lines += _table([origin])
@@ -145,6 +147,14 @@ class NumericsReport:
 
 
 SAFETY_FACTOR = 8
+
+
+def _no_origin(bad: int, bad_inputs: bool) -> str:
+    if not bad:
+        return "no inf/NaN"
+    if bad_inputs:
+        return f"inf/NaN only from the non-finite inputs ({bad} ops)"
+    return f"inf/NaN only from non-finite float32 constants, such as an -inf mask ({bad} ops)"
 
 
 def _power(scale: float) -> str:
