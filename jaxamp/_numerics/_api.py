@@ -133,9 +133,8 @@ def prepare(
             return jax.jit(lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a])))
 
         run = compile_with_fallback(make, inputs)
-        paths = [
-            _arg_path(fun, args, path) for (path, _), d in zip(flat, is_dynamic, strict=True) if d
-        ]
+        dyn_paths = [path for (path, _), d in zip(flat, is_dynamic, strict=True) if d]
+        paths = [_arg_path(fun, path) for path in dyn_paths]
         return Compiled(run, sites, paths)
 
     compiled = cached(key, build)

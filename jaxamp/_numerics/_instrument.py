@@ -27,7 +27,7 @@ import numpy as np
 from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._numerics._shadow import Val, is_narrow, materialize, shadow_outputs
+from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
 from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
 
 __all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
@@ -94,11 +94,18 @@ def _rounded_to_nonfinite(const: Any) -> bool:
         return False
 
 
-def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
+def _normal32(x: Any) -> Any:
+    return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
+
+
+def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, Any, Any, Any]:
     """``(max_abs, max_abs of the shadow, inf/NaN count, underflow count)`` of one output.
 
-    One variadic reduction: XLA compiles one kernel per output instead of four, which
-    keeps the compile time of a large instrumented program in proportion.
+    The underflow count is what *this* op flushed: zero or subnormal in the output
+    dtype, normal in the float32 twin (``shadow``) and in this op computed in float32
+    on its real inputs (``local``), so a value an earlier op already zeroed is not
+    counted again. One variadic reduction: XLA compiles one kernel per output instead
+    of four, which keeps the compile time of a large instrumented program in proportion.
     """
     magnitude, finite = _finite_abs(out)
     nonfinite = jnp.logical_not(finite).astype(jnp.int32)
@@ -106,11 +113,11 @@ def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
         wide, underflow = magnitude, jnp.zeros(out.shape, jnp.int32)
     else:
         wide, _ = _finite_abs(shadow)
-        # Zero or subnormal in the output dtype, normal in float32 arithmetic.
         tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
-        flushed = jnp.abs(out) < tiny
-        normal32 = jnp.abs(shadow) >= np.asarray(jnp.finfo(jnp.float32).tiny, shadow.dtype)
-        underflow = jnp.logical_and(flushed, normal32).astype(jnp.int32)
+        flushed = jnp.logical_and(jnp.abs(out) < tiny, _normal32(shadow))
+        if local is not None:
+            flushed = jnp.logical_and(flushed, _normal32(local))
+        underflow = flushed.astype(jnp.int32)
 
     def combine(a, b):
         return (
@@ -150,8 +157,8 @@ def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
     repeat = np.int32(max(out.size, 1) // max(source.size, 1))
-    max_abs, max32, nonfinite, underflow = ins[0].stats
-    return max_abs, max32, nonfinite * repeat, underflow * repeat
+    max_abs, max32, nonfinite, _ = ins[0].stats
+    return max_abs, max32, nonfinite * repeat, np.int32(0)  # moving values flushes none
 
 
 class Recorder:
@@ -210,13 +217,14 @@ class Recorder:
         if not ins:  # iota and friends: constants too (see _lift)
             outs = list(jax.lax.optimization_barrier(outs))
         shadows = shadow_outputs(eqn, ins, outs)
+        locals_ = local_twins(eqn, ins, outs, shadows)
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
             key = (path, index, k)
             if key not in self.sites:
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
-            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow)
+            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow, locals_[k])
             self._update(key, stats, inputs_finite)
             vals.append(Val(out, stats[2] == 0, shadow, stats))
         self.clock = self.clock + 1
