@@ -41,14 +41,15 @@ class Stat(NamedTuple):
     max_abs: Any  # float32: largest finite magnitude
     max_abs_float32: Any  # float32: the same, of the float32 shadow
     nonfinite: Any  # int32: inf/NaN values
-    underflow: Any  # int32: zero/subnormal values whose shadow is normal
+    underflow: Any  # int32: zero/subnormal values this op flushed (see _reduce_stats)
+    lost: Any  # int32: zero/subnormal values whose shadow is normal (flushed here or before)
     executions: Any  # int32: how often the equation ran
     origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
     first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
 
 
 _FLOAT_FIELDS = 2
-EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, NEVER, -1], np.int32))
+EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, 0, NEVER, -1], np.int32))
 
 
 def all_finite_flag(x: Any) -> Any:
@@ -98,26 +99,28 @@ def _normal32(x: Any) -> Any:
     return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
 
 
-def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, Any, Any, Any]:
-    """``(max_abs, max_abs of the shadow, inf/NaN count, underflow count)`` of one output.
+def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, ...]:
+    """``(max_abs, max_abs of the shadow, inf/NaN, underflow, lost)`` of one output.
 
     The underflow count is what *this* op flushed: zero or subnormal in the output
     dtype, normal in the float32 twin (``shadow``) and in this op computed in float32
     on its real inputs (``local``), so a value an earlier op already zeroed is not
-    counted again. One variadic reduction: XLA compiles one kernel per output instead
-    of four, which keeps the compile time of a large instrumented program in proportion.
+    counted again; ``lost`` counts every value zero or subnormal here and normal in the
+    twin, wherever it was flushed. One variadic reduction: XLA compiles one kernel per
+    output instead of five, which keeps the compile time of a large instrumented
+    program in proportion.
     """
     magnitude, finite = _finite_abs(out)
     nonfinite = jnp.logical_not(finite).astype(jnp.int32)
     if shadow is None:
         wide, underflow = magnitude, jnp.zeros(out.shape, jnp.int32)
+        lost = underflow
     else:
         wide, _ = _finite_abs(shadow)
         tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
-        flushed = jnp.logical_and(jnp.abs(out) < tiny, _normal32(shadow))
-        if local is not None:
-            flushed = jnp.logical_and(flushed, _normal32(local))
-        underflow = flushed.astype(jnp.int32)
+        lost_here = jnp.logical_and(jnp.abs(out) < tiny, _normal32(shadow))
+        flushed = lost_here if local is None else jnp.logical_and(lost_here, _normal32(local))
+        underflow, lost = flushed.astype(jnp.int32), lost_here.astype(jnp.int32)
 
     def combine(a, b):
         return (
@@ -125,11 +128,13 @@ def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, Any, A
             jnp.maximum(a[1], b[1]),
             a[2] + b[2],
             a[3] + b[3],
+            a[4] + b[4],
         )
 
-    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0))
+    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0))
     dims = tuple(range(out.ndim))
-    return tuple(jax.lax.reduce((magnitude, wide, nonfinite, underflow), zeros, combine, dims))
+    operands = (magnitude, wide, nonfinite, underflow, lost)
+    return tuple(jax.lax.reduce(operands, zeros, combine, dims))
 
 
 # Primitives that move values without changing them: an output's statistics are its
@@ -157,8 +162,8 @@ def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
     repeat = np.int32(max(out.size, 1) // max(source.size, 1))
-    max_abs, max32, nonfinite, _ = ins[0].stats
-    return max_abs, max32, nonfinite * repeat, np.int32(0)  # moving values flushes none
+    max_abs, max32, nonfinite, _, lost = ins[0].stats
+    return max_abs, max32, nonfinite * repeat, np.int32(0), lost * repeat  # moving flushes none
 
 
 class Recorder:
@@ -177,7 +182,7 @@ class Recorder:
         ints = [jnp.stack([jnp.asarray(v, jnp.int32) for v in r[_FLOAT_FIELDS:]]) for r in rows]
         return (
             jnp.stack(floats) if rows else jnp.zeros((0, 2), jnp.float32),
-            jnp.stack(ints) if rows else jnp.zeros((0, 5), jnp.int32),
+            jnp.stack(ints) if rows else jnp.zeros((0, len(EMPTY) - _FLOAT_FIELDS), jnp.int32),
         )
 
     def unpack(self, keys: Sequence[tuple], packed: tuple[Any, Any]) -> None:
@@ -232,7 +237,7 @@ class Recorder:
 
     def _update(self, key, stats, inputs_finite) -> None:
         old = self.stats.get(key, EMPTY)
-        max_abs, max32, nonfinite, underflow = stats
+        max_abs, max32, nonfinite, underflow, lost = stats
         first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
         first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
         self.stats[key] = Stat(
@@ -240,6 +245,7 @@ class Recorder:
             jnp.maximum(old.max_abs_float32, max32),
             old.nonfinite + nonfinite,
             old.underflow + underflow,
+            old.lost + lost,
             old.executions + 1,
             jnp.where(first_origin, self.clock, old.origin_clock),
             jnp.where(first_bad, self.iteration, old.first_nonfinite_iteration),
