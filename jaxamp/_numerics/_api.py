@@ -93,58 +93,93 @@ def prepare(
     times against a plain ``value_and_grad``), cached across calls; ``finish`` turns
     its statistics (host arrays) into a :class:`NumericsReport`.
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"has_aux must be True or False; got {has_aux!r}.")
+    check_options(fun, has_aux)
     scale = _check_loss_scale(loss_scale, grad)
     resolved = get_policy(policy) if policy is not None else None
-    flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    leaves = [leaf for _, leaf in flat]
-    is_dynamic = [isinstance(leaf, _ARRAY_TYPES) for leaf in leaves]
-    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]
-    static = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if not d]
-    inputs = [*dynamic, jnp.asarray(scale, jnp.float32)] if grad else dynamic
-    key = cache_key(fun, resolved, grad, has_aux, treedef, static, dynamic)
+    traced = Traced(fun, args, kwargs, resolved, grad, has_aux)
+    inputs = traced.inputs(jnp.asarray(scale, jnp.float32))
+    key = cache_key(fun, resolved, grad, has_aux, traced.treedef, traced.static, traced.dynamic)
 
     def build() -> Compiled:
-        wrapped = autocast(fun, resolved) if resolved is not None else fun
-
-        def call(*dyn):
-            it = iter(dyn)
-            full = [next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)]
-            a, k = jax.tree.unflatten(treedef, full)
-            return wrapped(*a, **k)
-
-        if grad:
-            program, out_phases = _gradient_program(call, args, dynamic, has_aux)
-        else:
-            program, out_phases = call, None
-        closed = jax.make_jaxpr(program)(*inputs)
-        tainted = [False] * len(inputs)
-        if grad:
-            tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
-        if out_phases is None:
-            out_phases = ["forward"] * len(closed.jaxpr.outvars)
-        sites = catalog(closed, tainted, out_phases)
+        closed, sites = traced.catalogued(inputs)
 
         def make():
-            measure = instrumented(closed, sites)
-            return jax.jit(lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a])))
+            return jax.jit(measuring(closed, sites))
 
-        run = compile_with_fallback(make, inputs)
-        dyn_paths = [path for (path, _), d in zip(flat, is_dynamic, strict=True) if d]
-        paths = [_arg_path(fun, path) for path in dyn_paths]
-        return Compiled(run, sites, paths)
+        return Compiled(compile_with_fallback(make, inputs), sites, traced.paths())
 
     compiled = cached(key, build)
 
     def finish(floats, ints, finite) -> NumericsReport:
-        bad = tuple(p for p, ok in zip(compiled.paths, np.asarray(finite), strict=False) if not ok)
-        stats = (np.asarray(floats), np.asarray(ints))
-        return summarise(compiled.sites, *stats, scale if grad else None, bad)
+        return finish_report(compiled, floats, ints, finite, scale if grad else None)
 
     return compiled.run, inputs, finish
+
+
+def check_options(fun: Any, has_aux: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be True or False; got {has_aux!r}.")
+
+
+def measuring(closed, sites) -> Callable:
+    """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite."""
+    measure = instrumented(closed, sites)
+    return lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a]))
+
+
+def finish_report(compiled: Compiled, floats, ints, finite, scale) -> NumericsReport:
+    """The report from one run's statistics (host arrays)."""
+    flags = np.asarray(finite)
+    bad = tuple(p for p, ok in zip(compiled.paths, flags, strict=False) if not ok)
+    return summarise(compiled.sites, np.asarray(floats), np.asarray(ints), scale, bad)
+
+
+class Traced:
+    """``fun`` on these arguments: array leaves traced, the rest static, then cataloged."""
+
+    def __init__(self, fun, args, kwargs, resolved, grad, has_aux):
+        self.fun, self.args, self.grad, self.has_aux = fun, args, grad, has_aux
+        self.wrapped = autocast(fun, resolved) if resolved is not None else fun
+        self.flat, self.treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [leaf for _, leaf in self.flat]
+        self.is_dynamic = [isinstance(leaf, _ARRAY_TYPES) for leaf in leaves]
+        self.leaves = leaves
+        pairs = list(zip(leaves, self.is_dynamic, strict=True))
+        self.dynamic = [leaf for leaf, d in pairs if d]
+        self.static = [leaf for leaf, d in pairs if not d]
+
+    def inputs(self, seed: Any) -> list:
+        """The program's arguments: the array leaves, then (``grad``) the float32 seed."""
+        return [*self.dynamic, seed] if self.grad else list(self.dynamic)
+
+    def call(self, *dyn):
+        it = iter(dyn)
+        pairs = zip(self.leaves, self.is_dynamic, strict=True)
+        full = [next(it) if d else leaf for leaf, d in pairs]
+        a, k = jax.tree.unflatten(self.treedef, full)
+        return self.wrapped(*a, **k)
+
+    def catalogued(self, inputs: list) -> tuple[Any, list]:
+        """``(closed jaxpr, sites)`` of the program on ``inputs``."""
+        if self.grad:
+            program, out_phases = _gradient_program(
+                self.call, self.args, self.dynamic, self.has_aux
+            )
+        else:
+            program, out_phases = self.call, None
+        closed = jax.make_jaxpr(program)(*inputs)
+        tainted = [False] * len(inputs)
+        if self.grad:
+            tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
+        if out_phases is None:
+            out_phases = ["forward"] * len(closed.jaxpr.outvars)
+        return closed, catalog(closed, tainted, out_phases)
+
+    def paths(self) -> list[str]:
+        dyn = [path for (path, _), d in zip(self.flat, self.is_dynamic, strict=True) if d]
+        return [_arg_path(self.fun, path) for path in dyn]
 
 
 def _arg_path(fun: Callable, path: tuple) -> str:
