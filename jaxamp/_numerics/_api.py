@@ -13,6 +13,8 @@ import numpy as np
 
 from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
+from jaxamp._checks import check_callable
+from jaxamp._engine._trace import is_array
 from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
 from jaxamp._numerics._instrument import all_finite_flag, instrumented
 from jaxamp._numerics._sites import catalog
@@ -21,8 +23,6 @@ from jaxamp._numerics._types import NumericsReport
 from jaxamp._policy import get_policy
 
 __all__ = ["numerics_report", "prepare"]
-
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 def numerics_report(
@@ -96,7 +96,7 @@ def prepare(
     check_options(fun, has_aux)
     scale = _check_loss_scale(loss_scale, grad)
     resolved = get_policy(policy) if policy is not None else None
-    traced = Traced(fun, args, kwargs, resolved, grad, has_aux)
+    traced = TracedCall(fun, args, kwargs, resolved, grad, has_aux)
     inputs = traced.inputs(jnp.asarray(scale, jnp.float32))
     key = cache_key(fun, resolved, grad, has_aux, traced.treedef, traced.static, traced.dynamic)
 
@@ -117,8 +117,7 @@ def prepare(
 
 
 def check_options(fun: Any, has_aux: Any) -> None:
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be True or False; got {has_aux!r}.")
 
@@ -136,7 +135,7 @@ def finish_report(compiled: Compiled, floats, ints, finite, scale) -> NumericsRe
     return summarise(compiled.sites, np.asarray(floats), np.asarray(ints), scale, bad)
 
 
-class Traced:
+class TracedCall:
     """``fun`` on these arguments: array leaves traced, the rest static, then cataloged."""
 
     def __init__(self, fun, args, kwargs, resolved, grad, has_aux):
@@ -144,7 +143,7 @@ class Traced:
         self.wrapped = autocast(fun, resolved) if resolved is not None else fun
         self.flat, self.treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
         leaves = [leaf for _, leaf in self.flat]
-        self.is_dynamic = [isinstance(leaf, _ARRAY_TYPES) for leaf in leaves]
+        self.is_dynamic = [is_array(leaf) for leaf in leaves]
         self.leaves = leaves
         pairs = list(zip(leaves, self.is_dynamic, strict=True))
         self.dynamic = [leaf for leaf, d in pairs if d]
@@ -218,7 +217,7 @@ def _check_loss_scale(loss_scale: Any, grad: bool) -> float:
 def _gradient_program(call: Callable, args: tuple, dynamic: list, has_aux: bool):
     """``(program, out_phases)``: ``program(*dynamic, seed)`` returns the loss (and aux)
     and the gradient wrt the first argument; ``out_phases`` names each output's phase."""
-    n_first = sum(isinstance(x, _ARRAY_TYPES) for x in jax.tree.leaves(args[:1]))
+    n_first = sum(map(is_array, jax.tree.leaves(args[:1])))
     wrt = [i for i in range(n_first) if is_floating(dynamic[i])]
     if not args or not wrt:
         got = _describe(args[0]) if args else "no arguments"

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._numerics._api import Traced, check_options, finish_report, measuring
+from jaxamp._numerics._api import TracedCall, check_options, finish_report, measuring
 from jaxamp._numerics._compiled import Compiled
 from jaxamp._numerics._types import NumericsReport
 from jaxamp._policy import get_policy
@@ -72,7 +72,7 @@ def numerics_monitor(
     report_to = callback if callback is not None else _print_report
 
     def monitor(step: Any, *args: Any, loss_scale: Any = None, **kwargs: Any) -> None:
-        traced = Traced(fun, args, kwargs, resolved, grad, has_aux)
+        traced = TracedCall(fun, args, kwargs, resolved, grad, has_aux)
         seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
         inputs = traced.inputs(seed)
         closed, sites = traced.catalogued(inputs)
