@@ -37,7 +37,9 @@ def numerics_monitor(
     Args:
       fun: the loss (or model) as for :func:`jaxamp.numerics_report`.
       every: report every this many steps (a positive int).
-      policy, grad, has_aux: as for :func:`jaxamp.numerics_report`.
+      policy: as for :func:`jaxamp.numerics_report`.
+      grad: as for :func:`jaxamp.numerics_report`.
+      has_aux: as for :func:`jaxamp.numerics_report`.
       callback: called on the host with the step number and the report.
 
     Returns:
