@@ -150,10 +150,13 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def extra(parser):
         parser.add_argument("--repeats", type=int, default=None, help="timed calls (10; smoke 3)")
+        parser.add_argument(
+            "--models", nargs="+", choices=list(CONFIGS), default=None, help="configs to run"
+        )
 
     args = _harness.parse_args(__doc__.split("\n\n")[0], argv, extra)
     repeats = args.repeats or (3 if args.smoke else 10)
-    names = ["smoke"] if args.smoke else list(CONFIGS)
+    names = ["smoke"] if args.smoke else (args.models or list(CONFIGS))
     results = [measure(name, repeats) for name in names]
     print(table(results))
     configs = {k: vars(c) for k, c in CONFIGS.items() if k in names}
