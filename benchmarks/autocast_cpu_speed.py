@@ -57,12 +57,7 @@ def _charlm():
 
 def cpu_isa() -> list[str]:
     """The bfloat16-relevant ISA flags of this CPU (empty where /proc/cpuinfo is absent)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return [flag for flag in ISA_FLAGS if flag in flags]
+    return _harness.cpu_flags(ISA_FLAGS)
 
 
 def compiled_dot_dtypes(compiled: Any) -> dict[str, int]:

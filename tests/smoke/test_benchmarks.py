@@ -212,9 +212,16 @@ def test_low_precision_smoke(tmp_path):
         ("bf16_nearest", 6),
         ("bf16_stochastic", 6),
         ("bf16_kahan", 8),
+        ("bf16_kahan_f32_state", 12),
+        ("f16_stochastic", 6),
     ]:
         fixed = results[name]["state_fixed_bytes"]
         assert per_param <= total[name] <= per_param + fixed / n + 1e-9, name
     for r in results.values():
         assert _positive(r["median_s"]) and _positive(r["ratio_median"])
+        for kind in ("update", "step"):  # the optimizer alone, and a whole training step
+            timed = r[kind]
+            assert len(timed["per_step_s"]) == len(timed["per_step_cpu_s"]) == 3
+            assert _positive(timed["ratio_median"]) and _positive(timed["ratio_cpu"])
     assert results["float32_master"]["ratio_median"] == 1.0
+    assert results["float32_master"]["update"]["ratio_cpu"] == 1.0
