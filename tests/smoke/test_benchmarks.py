@@ -113,8 +113,18 @@ def test_autocast_cpu_speed_smoke(tmp_path):
         autocast_cpu_speed.main(["--smoke", "--out", str(out)])
     payload = _load(out)
     assert set(payload["config"]["isa"]) <= set(autocast_cpu_speed.ISA_FLAGS)
-    results = {r["setup"]: r for r in payload["results"]}
+    config = payload["config"]
+    results = {r["setup"]: r for r in payload["results"] if r["part"] == "main"}
     assert set(results) == {"float32", "autocast_bfloat16", "bf16_layer_dtypes"}
+    swept = [(r["width"], r["setup"]) for r in payload["results"] if r["part"] == "sweep"]
+    assert sorted(swept) == sorted(
+        (w, s) for w in config["sweep"]["widths"] for s in autocast_cpu_speed.SETUPS
+    )
+    matmuls = {r["setup"]: r for r in payload["results"] if r["part"] == "matmul"}
+    assert set(matmuls) == set(autocast_cpu_speed.MATMULS)
+    assert matmuls["bf16_operands_f32_accumulation"]["bf16_dots"] == 1
+    for r in payload["results"]:  # every part: ratios within its own interleaved rounds
+        assert _positive(r["ratio_to_float32"]) and r["converts"] >= 0
     assert results["float32"]["ratio_to_float32"] == 1.0
     for r in results.values():
         assert len(r["per_round_ms"]) == payload["config"]["rounds"]
