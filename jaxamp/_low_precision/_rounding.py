@@ -62,9 +62,8 @@ def counter_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     Counter-based: element ``i`` of every call with the same ``key`` gets the same
     bits, on any device and under any sharding, and the work is a few integer
     operations per element that fuse into the elementwise update that uses them
-    (threefry, ``jax.random.bits``, costs about 20 times as much on CPU:
-    BENCHMARKS.md, "16-bit params and optimizer state"). Indices wrap at
-    2**32 elements per array.
+    (with threefry, ``jax.random.bits``, the step was several times slower:
+    BENCHMARKS.md, "low_precision"). Indices wrap at 2**32 elements per array.
 
     Args:
       key: a uint32 scalar, already mixed from the seed, step and array.

@@ -153,6 +153,11 @@ def test_gpu_speed_smoke(tmp_path):
         dims = r["dims"]
         aligned = all(d % gpu_speed.PAD_MULTIPLE == 0 for d in dims.values())
         assert aligned == r["padded"]
+    # The optimizer step of every low_precision variant, timed against float32 Adam.
+    optimizer = {r["variant"]: r for r in payload["optimizer"]["results"]}
+    assert set(optimizer) == set(low_precision.VARIANTS)
+    assert optimizer["float32_master"]["update"]["ratio_median"] == 1.0
+    assert all(_positive(r["update"]["ratio_median"]) for r in optimizer.values())
 
 
 def test_gpu_speed_full_size_is_never_faked_without_a_gpu(tmp_path):
@@ -162,6 +167,7 @@ def test_gpu_speed_full_size_is_never_faked_without_a_gpu(tmp_path):
     gpu_speed.main(["--out", str(out)])
     payload = _load(out)
     assert payload["status"].startswith("skipped") and payload["results"] == []
+    assert "optimizer" not in payload
 
 
 def test_every_variant_trains_identically_on_finite_steps():
