@@ -7,7 +7,10 @@ The work is ``examples/charlm.py``'s character transformer (width 128, context 6
 - ``autocast_bfloat16``: the same float32 model under ``jaxamp.autocast(..., "mixed_bfloat16")``
   (bf16 x bf16 -> f32 matmuls);
 - ``bf16_layer_dtypes``: the model built with Flax ``dtype=jnp.bfloat16`` layers (bf16 result
-  matmuls), params in float32.
+  matmuls), params in float32;
+- ``autocast_f32_elementwise``: autocast with ``rules`` that run every "follow" operation
+  (elementwise and layout operations) in float32, so that bfloat16 appears only as matmul
+  operands.
 
 Every round runs each setup once in a shuffled order; the reported numbers are medians over
 rounds and ratios to float32 within this one process, so a noisy shared machine moves all
@@ -40,12 +43,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxamp
 from benchmarks import _harness
 
 NAME = "autocast_cpu_speed"
 REFERENCE = "float32"
 SETUPS = {"float32": "float32", "autocast_bfloat16": "autocast_bfloat16"}
 SETUPS["bf16_layer_dtypes"] = "mixed_bfloat16"  # charlm's name for Flax bf16 layer dtypes
+# autocast with every "follow" operation in float32: bfloat16 only as matmul operands.
+# XLA:CPU computes a bfloat16 elementwise operation in float32 between two conversions,
+# so on a CPU this drops conversions at the price of float32 activations.
+SETUPS["autocast_f32_elementwise"] = "float32"
+F32_ELEMENTWISE = {
+    name: "float32" for name, rule in jaxamp.AUTOCAST_RULES.items() if rule == "follow"
+}
 ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 FULL = {"batch": 32, "context": 64, "width": 128, "layers": 2, "rounds": 40}
 SMOKE = {"batch": 2, "context": 8, "width": 32, "layers": 1, "rounds": 3}
@@ -99,6 +110,8 @@ def _value_and_grad(charlm: Any, setup: str, dims: dict[str, int]) -> tuple[Call
     def loss(state, tokens):
         return loss_fn(nnx.merge(graphdef, state), tokens)
 
+    if setup == "autocast_f32_elementwise":
+        loss = jaxamp.autocast(loss, "mixed_bfloat16", rules=F32_ELEMENTWISE)
     return jax.jit(jax.value_and_grad(loss)), state
 
 

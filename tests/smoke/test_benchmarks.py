@@ -115,7 +115,7 @@ def test_autocast_cpu_speed_smoke(tmp_path):
     assert set(payload["config"]["isa"]) <= set(autocast_cpu_speed.ISA_FLAGS)
     config = payload["config"]
     results = {r["setup"]: r for r in payload["results"] if r["part"] == "main"}
-    assert set(results) == {"float32", "autocast_bfloat16", "bf16_layer_dtypes"}
+    assert set(results) == set(autocast_cpu_speed.SETUPS)
     swept = [(r["width"], r["setup"]) for r in payload["results"] if r["part"] == "sweep"]
     assert sorted(swept) == sorted(
         (w, s) for w in config["sweep"]["widths"] for s in autocast_cpu_speed.SETUPS
@@ -138,6 +138,10 @@ def test_autocast_cpu_speed_smoke(tmp_path):
     if jax.default_backend() == "cpu":
         autocast = results["autocast_bfloat16"]
         assert autocast["bf16_dots"] > 0 and autocast["f32_dots"] == 0
+        # float32 elementwise work: the same bfloat16 dots, fewer conversions.
+        f32_elementwise = results["autocast_f32_elementwise"]
+        assert f32_elementwise["bf16_dots"] == autocast["bf16_dots"]
+        assert f32_elementwise["converts"] < autocast["converts"]
 
 
 def test_gpu_speed_smoke(tmp_path):
