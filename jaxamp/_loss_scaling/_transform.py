@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._casting import is_floating, widen
-from jaxamp._checks import is_int
+from jaxamp._checks import check_transformation, is_int
 from jaxamp._loss_scaling._finite import all_finite, select, select_tree
-from jaxamp._loss_scaling._scales import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale
 from jaxamp._loss_scaling._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
 from jaxamp._loss_scaling._state import AccumulationState, LossScalingState
 
@@ -38,7 +38,7 @@ class _Config:
 def _check_loss_scale(loss_scale: Any) -> Any:
     if loss_scale is None:
         return DynamicLossScale()
-    if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+    if not isinstance(loss_scale, LossScale):
         raise TypeError(
             "loss_scale must be a jaxamp.NoOpLossScale, StaticLossScale or "
             f"DynamicLossScale; got {type(loss_scale).__name__}: {loss_scale!r}."
@@ -91,11 +91,7 @@ def _check_inner(inner: Any) -> None:
             "gradients (the loss scale then stays constant over the window), or pass "
             "the MultiSteps' .gradient_transformation()."
         )
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"got {type(inner).__name__}: {inner!r}."
-        )
+    check_transformation(inner, "inner")
 
 
 def loss_scaling(
@@ -245,34 +241,19 @@ def _unscale(updates: Any, loss_scale: Any, config: _Config, *, keep_dtype: bool
 def raw_grads_checkable(loss_scale: Any, grad_reduction: str | None) -> bool:
     """Whether the unscaled grads are finite exactly where the raw (scaled) ones are.
 
-    Checking the raw grads lets the unscaling multiply fuse into the optimizer's
-    kernels instead of being kept as one buffer per leaf for the check (fewer
-    kernels to compile and run; BENCHMARKS.md, "Why the numbers are what they
-    are"). Unscaling
-    multiplies by ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``: a finite
-    ``g`` stays finite (``|g * r| <= |g|``, also after rounding back to a 16-bit
-    dtype) and inf or NaN stays non-finite (``inf * r`` is inf, or NaN if ``r``
-    flushed to 0). A static scale's value is array state and may be below 1; a
-    reduced gradient is a different array from the raw one: neither qualifies.
+    The scale decides (``loss_scale.unscale_keeps_finiteness()``, see
+    ``raw_grads_finite`` in ``_scales.py``), unless the grads are reduced: a
+    reduced gradient is a different array from the raw one.
     """
-    if grad_reduction is not None:
-        return False
-    if isinstance(loss_scale, NoOpLossScale):
-        return True
-    return isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0
+    return grad_reduction is None and loss_scale.unscale_keeps_finiteness()
 
 
 def _finite_flag(raw: Any, grads: Any, loss_scale: Any, config: _Config) -> jax.Array:
     """One bool for the step: every grad finite (on every device with ``axis_name``)."""
-    if not raw_grads_checkable(loss_scale, config.grad_reduction):
-        finite = all_finite(grads)
-    elif isinstance(loss_scale, DynamicLossScale):
-        # The scale stays in [min_loss_scale, max] by construction, unless it was
-        # built from an out-of-range array; then skip, and adjust() clamps it back
-        # up to min_loss_scale.
-        finite = all_finite(raw) & (loss_scale.loss_scale >= 1.0)
+    if raw_grads_checkable(loss_scale, config.grad_reduction):
+        finite = loss_scale.raw_grads_finite(raw)
     else:
-        finite = all_finite(raw)
+        finite = all_finite(grads)
     if config.axis_name is not None:
         # A skip anywhere is a skip everywhere: min over the devices' flags.
         finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(bool)

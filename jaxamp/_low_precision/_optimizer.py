@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from jaxamp._casting import is_floating, widen
-from jaxamp._checks import is_int
+from jaxamp._checks import check_transformation, is_int
 from jaxamp._low_precision._rounding import (
     check_sixteen_bit,
     counter_bits,
@@ -88,11 +88,7 @@ def _check_inner(inner: Any) -> None:
             "is not one. Pass its .gradient_transformation() (or wrap this transformation "
             "in optax.MultiSteps instead)."
         )
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"got {type(inner).__name__}: {inner!r}."
-        )
+    check_transformation(inner, "inner")
 
 
 def _check_state_dtype(state_dtype: Any) -> np.dtype | None:

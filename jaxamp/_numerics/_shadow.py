@@ -25,7 +25,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating
+from jaxamp._casting import is_floating, is_narrow, widen
 from jaxamp._engine import _compat as compat
 
 __all__ = ["NO_SHADOW", "Val", "materialize", "shadow_outputs"]
@@ -47,17 +47,9 @@ class Val(NamedTuple):
     stats: Any = None
 
 
-def is_narrow(x: Any) -> bool:
-    return is_floating(x) and np.dtype(x.dtype).itemsize < 4
-
-
-def _wide(x: Any) -> Any:
-    return x.astype(jnp.float32) if is_narrow(x) else x
-
-
 def widened(val: Val) -> Any:
     """The shadow of ``val`` (its value in at least float32 when it has none)."""
-    return val.shadow if val.shadow is not None else _wide(val.value)
+    return val.shadow if val.shadow is not None else widen(val.value)
 
 
 def materialize(val: Val) -> Any:
