@@ -18,6 +18,7 @@ from jaxamp._autocast._remat import save_narrow_values
 from jaxamp._autocast._rules import AUTOCAST_RULES, MATMUL_PRIMITIVES, RULE_KINDS
 from jaxamp._autocast._values import PLAIN, cast, is_float
 from jaxamp._checks import check_bool, check_callable, is_int
+from jaxamp._fp8 import Float8Recipe, as_recipe
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["autocast"]
@@ -89,7 +90,7 @@ def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
 
 def autocast(
     fun: Callable,
-    policy: Policy | str | Any = "mixed_bfloat16",
+    policy: Policy | Float8Recipe | str | Any = "mixed_bfloat16",
     *,
     rules: Mapping | None = None,
     pad_to: int | str | None = None,
@@ -114,7 +115,10 @@ def autocast(
     Args:
       fun: the function; its array arguments (JAX or NumPy arrays, anywhere in
         pytrees) are traced, other leaves (Python scalars, strings) are static.
-      policy: a ``jaxamp.Policy`` or anything ``jaxamp.get_policy`` accepts.
+      policy: a ``jaxamp.Policy`` or anything ``jaxamp.get_policy`` accepts; or
+        FP8 matmuls: a ``jaxamp.Float8Recipe``, or ``"mixed_float8"`` (its
+        defaults). Everything else then runs as under the recipe's 16-bit
+        compute dtype (docs/fp8.md).
       rules: overrides ``{primitive or name: "compute" | "float32" | "follow" |
         "keep" | callable}``; a callable is called as ``rule(autocaster, eqn,
         *args)`` and returns the list of outputs.
@@ -148,7 +152,8 @@ def autocast(
     {'bfloat16': 48}
     """
     check_callable(fun)
-    policy = get_policy(policy)
+    recipe = as_recipe(policy)  # "mixed_float8" or a Float8Recipe: FP8 matmuls
+    policy = recipe.policy if recipe is not None else get_policy(policy)
     table = _merge_rules(rules)
     multiple = _pad_multiple(pad_to, policy)
     remat = check_bool(remat_float32, "remat_float32")
@@ -170,7 +175,7 @@ def autocast(
             return flat_out
 
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
-        autocaster = Autocaster(policy, table, multiple)
+        autocaster = Autocaster(policy, table, multiple, fp8=recipe)
 
         def run(*dyn):
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]

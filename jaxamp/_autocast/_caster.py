@@ -27,6 +27,7 @@ from jaxamp._autocast._values import (
 )
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
+from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
 
 __all__ = ["Autocaster", "UnknownPrimitiveWarning", "unknown_higher_order_message"]
@@ -41,11 +42,18 @@ class Autocaster:
     and ``bind(eqn, *args)`` (run an equation as written) are public.
     """
 
-    def __init__(self, policy: Policy, rules: Mapping[str, Any], pad_to: int | None):
+    def __init__(
+        self,
+        policy: Policy,
+        rules: Mapping[str, Any],
+        pad_to: int | None,
+        fp8: Float8Recipe | None = None,
+    ):
         self.policy = policy
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.rules = rules
         self.pad_to = pad_to
+        self.fp8 = fp8  # a Float8Recipe: dots and convs run in FP8 (jaxamp/_fp8)
 
     @staticmethod
     def bind(eqn: jex.JaxprEqn, *args: Any) -> list[Any]:
@@ -134,15 +142,20 @@ class Autocaster:
         return [(out, ACTIVATION if out.dtype == self.compute_dtype else PINNED)]
 
     def _compute(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        (lhs, _), (rhs, _), *rest = ins
+        (lhs, lhs_role), (rhs, rhs_role), *rest = ins
         if not (is_float(lhs) and is_float(rhs)):
             return self._follow(eqn, ins)
-        lhs, rhs = cast(lhs, self.compute_dtype), cast(rhs, self.compute_dtype)
+        if self.fp8 is not None and eqn.primitive.name in FP8_PRIMITIVES:
+            plain = (lhs_role == PLAIN, rhs_role == PLAIN)
+            lhs, rhs, matmul = fp8_operands(self.fp8, lhs, rhs, plain)
+        else:
+            lhs, rhs = cast(lhs, self.compute_dtype), cast(rhs, self.compute_dtype)
+            matmul = run_matmul
         unpad = None
         if self.pad_to is not None:
             lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, self.pad_to)
         extra = [v for v, _ in rest]
-        out = run_matmul(eqn, lhs, rhs, *extra, dtype=self.compute_dtype)
+        out = matmul(eqn, lhs, rhs, *extra, dtype=self.compute_dtype)
         if unpad is not None:
             out = unpad(out)
         return [(out, ACTIVATION)]
