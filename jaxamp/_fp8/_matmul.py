@@ -99,10 +99,18 @@ def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool):
     return out.reshape(out_shape)
 
 
-def _eval_fp8_pullback(closed: jex.ClosedJaxpr, args: list) -> list:
-    # The transposed convolutions, bound on float8 operands with float32 accumulation.
+def _eval_fp8_pullback(closed: jex.ClosedJaxpr, args: list, widen: np.dtype) -> list:
+    """The transposed convolutions, bound on float8 operands with float32 accumulation.
+
+    ``lax.conv_general_dilated`` takes one operand dtype: when the gradient's
+    format differs from the forward one, both float8 operands are widened
+    (exactly) to ``widen``, the same products at 16-bit speed.
+    """
+
     def apply(eqn: jex.JaxprEqn, ins: list) -> list:
         if eqn.primitive.name == "conv_general_dilated":
+            if ins[0].dtype != ins[1].dtype:
+                ins = [jax.lax.convert_element_type(v, widen) for v in ins]
             params = {**eqn.params, "preferred_element_type": _F32}
             return [eqn.primitive.bind(*ins, **params)]
         return compat.bind_eqn(eqn, ins)
@@ -143,7 +151,7 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
 
         avals = [jax.ShapeDtypeStruct(v.shape, _F32) for v in (x, w, g)]
         closed = jax.make_jaxpr(pullback)(*avals)
-        dx, dw = _eval_fp8_pullback(closed, [qx, qw, qg])
+        dx, dw = _eval_fp8_pullback(closed, [qx, qw, qg], out_dtype)
         return (dx * (ig * iw)).astype(x.dtype), (dw * (ig * ix)).astype(w.dtype)
 
     conv.defvjp(fwd, bwd)
