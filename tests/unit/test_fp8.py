@@ -8,6 +8,8 @@ several percent, far outside these tolerances.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -121,7 +123,7 @@ def test_non_finite_operand_gives_non_finite_result(scaling, bad):
     f = _matmul(jaxamp.Float8Recipe(scaling))
     out = np.asarray(f(x, w))
     assert not np.all(np.isfinite(out[1]))
-    dx, dw = jax.grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1))(x, w)
+    dw = jax.grad(lambda w: jnp.sum(f(x, w)))(w)  # x's inf reaches dw through x^T g
     assert not np.all(np.isfinite(np.asarray(dw)))
     wb = w.copy()
     wb[5, 2] = bad
@@ -191,7 +193,7 @@ def test_mixed_float8_is_the_default_recipe_and_recipes_compare_by_value():
     r = jaxamp.Float8Recipe("rowwise", power_of_two_scale=True)
     assert r == jaxamp.Float8Recipe("rowwise", power_of_two_scale=np.bool_(True))
     assert len({r, jaxamp.Float8Recipe("rowwise", power_of_two_scale=True)}) == 1
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.scaling = "tensorwise"
 
 
