@@ -131,7 +131,7 @@ def autocast(
         (softmax, normalisation statistics, the loss) from them, with
         ``jax.checkpoint``. Saves memory for a little elementwise recomputation;
         has no effect when the compute dtype is 32-bit. On the GPT of
-        ``benchmarks/activation_memory``: residuals 0.53x of float32 instead of
+        ``benchmarks/activation_memory.py``: residuals 0.53x of float32 instead of
         0.64x.
 
     Returns:
