@@ -25,9 +25,10 @@ from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
 from jaxamp._fp8._recipe import Float8Recipe
 
-__all__ = ["FP8_PRIMITIVES", "fp8_matmul", "fp8_operands"]
+__all__ = ["FP8_PRIMITIVES", "SCOPE_PREFIX", "fp8_matmul", "fp8_operands", "scope_name"]
 
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
+SCOPE_PREFIX = "fp8_"
 _F32 = np.dtype(np.float32)
 
 
@@ -45,11 +46,19 @@ def _spans(batch, free, contract):
     return ((0, nb), (nb, nb + nf), (nb + nf, nb + nf + len(contract)))
 
 
+def scope_name(recipe: Float8Recipe, scaling: str | None = None) -> str:
+    """The name scope of an FP8 product: precision_report reads the recipe from it."""
+    return (
+        f"{SCOPE_PREFIX}{scaling or recipe.scaling}{'_pow2' if recipe.power_of_two_scale else ''}"
+    )
+
+
 def _product(recipe: Float8Recipe, a, a_dtype, a_kind, b, b_dtype, b_kind, out_dtype):
     pow2 = recipe.exact_scales
-    qa = quantize(a, a_dtype, groups_for(recipe.scaling, a_kind), pow2)
-    qb = quantize(b, b_dtype, groups_for(recipe.scaling, b_kind), pow2)
-    return scaled_product(qa, qb, out_dtype)
+    with jax.named_scope(scope_name(recipe)):
+        qa = quantize(a, a_dtype, groups_for(recipe.scaling, a_kind), pow2)
+        qb = quantize(b, b_dtype, groups_for(recipe.scaling, b_kind), pow2)
+        return scaled_product(qa, qb, out_dtype)
 
 
 def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str]) -> Callable:
@@ -132,10 +141,13 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
         quantized, inverse = quantize(v.reshape(1, 1, -1), dtype, tensorwise, pow2)
         return quantized.reshape(v.shape), inverse.reshape(())
 
+    scope = scope_name(recipe, "tensorwise")
+
     @jax.custom_vjp
     def conv(x, w):
-        (qx, ix), (qw, iw) = q(x, fwd_dtype), q(w, fwd_dtype)
-        return (prim.bind(qx, qw, **f32_params) * (ix * iw)).astype(out_dtype)
+        with jax.named_scope(scope):
+            (qx, ix), (qw, iw) = q(x, fwd_dtype), q(w, fwd_dtype)
+            return (prim.bind(qx, qw, **f32_params) * (ix * iw)).astype(out_dtype)
 
     def fwd(x, w):
         return conv(x, w), (x, w)
@@ -151,7 +163,8 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
 
         avals = [jax.ShapeDtypeStruct(v.shape, _F32) for v in (x, w, g)]
         closed = jax.make_jaxpr(pullback)(*avals)
-        dx, dw = _eval_fp8_pullback(closed, [qx, qw, qg], out_dtype)
+        with jax.named_scope(scope):
+            dx, dw = _eval_fp8_pullback(closed, [qx, qw, qg], out_dtype)
         return (dx * (ig * iw)).astype(x.dtype), (dw * (ig * ix)).astype(w.dtype)
 
     conv.defvjp(fwd, bwd)

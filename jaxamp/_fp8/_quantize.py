@@ -9,7 +9,6 @@ and its inverse scales ``[B, P, KB]`` broadcast over the block.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -95,11 +94,12 @@ def quantize(
 
     A dim that does not divide into its groups is zero-padded for the amax (a
     partial group is scaled by the amax of the values it has); ``C`` stays
-    padded (zeros add nothing to the product), ``P`` is sliced back.
+    padded (zeros add nothing to the product), ``P`` is sliced back. A ``C``
+    shorter than a block is one block, unpadded.
     """
     x = x.astype(_F32)
-    b, p, _ = x.shape
-    block = groups.block or x.shape[2]
+    b, p, c = x.shape
+    block = min(groups.block or c, c)
     x = _pad_to(x, 2, block)
     nblocks = x.shape[2] // block
     rows = groups.rows or p
@@ -136,9 +136,3 @@ def scaled_product(
         b_scale = jnp.transpose(inv_b, (0, 2, 1))[:, :, None, :]
         out = jnp.sum(partial * a_scale * b_scale, axis=1)
     return out.astype(out_dtype)
-
-
-def padded_size(size: int, groups: Groups) -> int:
-    """The contracting size after padding to whole blocks."""
-    block = groups.block or size
-    return math.ceil(size / block) * block

@@ -237,3 +237,30 @@ def test_bad_recipe_fields_name_the_argument_and_the_fix(kwargs, error, words):
         jaxamp.Float8Recipe(**kwargs)
     for word in words:
         assert word in str(info.value)
+
+
+def test_precision_report_names_fp8_operands_recipe_and_share():
+    def fn(x, w, k):
+        h = jnp.tanh(x @ w)
+        return jax.lax.conv_general_dilated(h[:, None, :, None], k, (1, 1), "SAME").sum()
+
+    args = jnp.ones((8, 256)), jnp.ones((256, 64)), jnp.ones((4, 1, 3, 1))
+    recipe = jaxamp.Float8Recipe("rowwise", power_of_two_scale=True)
+    report = jaxamp.precision_report(jax.grad(jaxamp.autocast(fn, recipe), (0, 1, 2)), *args)
+    rows = {(m.primitive, m.operand_dtypes, m.fp8_recipe) for m in report.matmuls}
+    e4, e5, bf = "float8_e4m3fn", "float8_e5m2", "bfloat16"
+    assert rows == {
+        ("dot_general", (e4, e4), "rowwise+pow2"),
+        ("dot_general", (e5, e4), "rowwise+pow2"),
+        ("conv_general_dilated", (e4, e4), "tensorwise+pow2"),
+        # lax.conv_general_dilated takes one operand dtype: e5m2 x e4m3 widened.
+        ("conv_general_dilated", (bf, bf), "tensorwise+pow2"),
+    }
+    fp8_flops = sum(m.flops for m in report.matmuls if m.operand_dtypes[0] != bf)
+    assert report.fp8_fraction == fp8_flops / report.total_flops
+    assert str(report).splitlines()[-1] == (
+        f"FP8: {100 * report.fp8_fraction:.1f}% of FLOPs (rowwise+pow2, tensorwise+pow2)"
+    )
+    plain = jaxamp.precision_report(jaxamp.autocast(fn), *args)
+    assert plain.fp8_fraction == 0.0 and not any(m.fp8_recipe for m in plain.matmuls)
+    assert "FP8" not in str(plain)
