@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
+from jaxamp._fp8 import as_recipe
 from jaxamp._numerics._instrument import NEVER, instrumented
 from jaxamp._numerics._sites import Site, catalog
 from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
@@ -83,7 +84,7 @@ def prepare(fun, args, kwargs, policy, grad, loss_scale) -> tuple[Callable, list
         raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
     scale = _check_loss_scale(loss_scale, grad)
     if policy is not None:
-        fun = autocast(fun, get_policy(policy))
+        fun = autocast(fun, as_recipe(policy) or get_policy(policy))
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_dynamic = [isinstance(leaf, _ARRAY_TYPES) for leaf in leaves]
     dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]

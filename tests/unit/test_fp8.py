@@ -264,3 +264,20 @@ def test_precision_report_names_fp8_operands_recipe_and_share():
     plain = jaxamp.precision_report(jaxamp.autocast(fn), *args)
     assert plain.fp8_fraction == 0.0 and not any(m.fp8_recipe for m in plain.matmuls)
     assert "FP8" not in str(plain)
+
+
+def test_numerics_report_shows_each_fp8_operand_amax_scale_and_flushed_fraction():
+    x = np.ones((4, 16), np.float32)
+    x[0, :4] = 1e-6  # below half the smallest e4m3 subnormal once scaled by 448
+    w = np.full((16, 8), 0.5, np.float32)
+    report = jaxamp.numerics_report(lambda w, x: jnp.sum(x @ w), w, x, policy="mixed_float8")
+    casts = [op for op in report.ops if op.primitive == "convert_element_type"]
+    fp8 = [op for op in casts if np.dtype(op.dtype) == np.dtype(jnp.float8_e4m3fn)]
+    assert sorted((op.shape[2], op.underflow_fraction, op.max_abs) for op in fp8) == [
+        (4, 4 / 64, 448.0),  # x: 4 of its 64 values flush to zero
+        (8, 0.0, 448.0),  # w: 0.5 everywhere, exact at scale 896
+    ]
+    amaxes = sorted(op.max_abs for op in report.ops if op.primitive == "reduce_max")
+    assert amaxes == [0.5, 1.0]
+    scales = sorted(op.max_abs for op in report.ops if op.primitive == "div" and op.max_abs > 1)
+    assert scales == [448.0, 896.0]
