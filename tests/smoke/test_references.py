@@ -11,7 +11,8 @@ docs, the READMEs, BENCHMARKS.md and CHANGELOG.md cite
 - markdown links and their anchors: ``[the runs](BENCHMARKS.md#older-runs)``,
   ``../troubleshooting.md#matmuls-are-misaligned``;
 - BENCHMARKS.md sections, by anchor (``BENCHMARKS.md#older-runs``) or by title
-  (``BENCHMARKS.md, "Older runs"``).
+  (``BENCHMARKS.md, "Older runs"``; a table's section also by its script's name,
+  ``BENCHMARKS.md, "step_overhead"``).
 
 A moved file or a renamed heading fails here, naming the citing file and line,
 instead of leaving a reader at a dead end. Paths outside the repository's own
@@ -37,7 +38,11 @@ THIS_FILE = Path(__file__).resolve()  # its docstring and self-checks cite examp
 
 # Citations that look like repository paths but are not, each with the reason.
 # Keys: (citing file, cited text).
-ALLOWED: dict[tuple[str, str], str] = {}
+ALLOWED: dict[tuple[str, str], str] = {
+    ("jaxamp/_engine/README.md", "equinox/internal/_finalise_jaxpr.py"): (
+        "a file of the equinox repository, the model the engine follows"
+    ),
+}
 
 _NOT_PATH_BEFORE = r"(?<![\w./~:-])"  # not inside a longer path, a URL or a user path
 _PATH = re.compile(_NOT_PATH_BEFORE + rf"((?:{'|'.join(FOLDERS)})/[\w./<>\[\]{{}}*-]*)")
@@ -47,6 +52,11 @@ _ROOT_FILE = re.compile(_NOT_PATH_BEFORE + r"([A-Z][A-Z_]*\.md|LICENSE)(?![\w/-]
 # neighbours. Checked under jaxamp/ only: elsewhere such names are mostly what a script
 # writes (``digits.md`` to ``--out``) or what a user has.
 _NEIGHBOUR = re.compile(r"(?<=`)((?:\.\./)*[\w-]+(?:/[\w-]+)*\.(?:py|md))(?=`)")
+# A private module's name relative to the citing file's folder or a folder above it,
+# with what it holds (``_caster.follow``, ``_engine._visit.walk``): how jaxamp's modules
+# and READMEs cite functions. Checked under jaxamp/ only, like _NEIGHBOUR, and only
+# where jaxamp has a module of that name.
+_RELATIVE_NAME = re.compile(r"(?<=`)(_[a-z]\w*(?:\.\w+)+)(?=`|\()")
 _MODULE = re.compile(_NOT_PATH_BEFORE + r"((?:benchmarks|examples|tests)(?:\.\w+)+)")
 _PRIVATE = re.compile(_NOT_PATH_BEFORE + r"(jaxamp(?:\.\w+)*\._\w+(?:\.\w+)*)")
 _FILE_EXTENSIONS = ("md", "py", "json", "png", "yml", "toml", "txt")
@@ -237,6 +247,38 @@ def _check_neighbour(citing: Path, match: re.Match) -> str | None:
     return None
 
 
+def _relative_name_resolves(dotted: str, folder: Path) -> bool | None:
+    """Whether ``_module.name`` relative to ``folder`` exists; None if no such module."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        path = folder.joinpath(*parts[:end])
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            module = ".".join(path.relative_to(ROOT).parts)
+            return _private_name_resolves(f"{module}.{'.'.join(parts[end:])}".rstrip("."))
+    return None
+
+
+def _check_relative_name(citing: Path, match: re.Match) -> str | None:
+    dotted = match.group(1)
+    if not _rel(citing).startswith("jaxamp/") or dotted.rsplit(".", 1)[-1] in _FILE_EXTENSIONS:
+        return None  # see _RELATIVE_NAME; file names are checked by _check_neighbour
+    folders = [citing.parent, *(p for p in citing.parent.parents if p.is_relative_to(ROOT))]
+    for folder in folders:
+        found = _relative_name_resolves(dotted, folder)
+        if found is not None:
+            return None if found else "does not exist in that module"
+    # A README may name a module of a sibling package once it has introduced it
+    # (``_compat.bind_eqn`` for jaxamp/_engine/_compat.py): any module of that name will do.
+    module = dotted.split(".")[0]
+    homes = {p.parent for p in (ROOT / "jaxamp").rglob(f"{module}.py")}
+    homes |= {p.parent for p in (ROOT / "jaxamp").rglob(f"{module}/__init__.py")}
+    if not homes:  # not one of ours: JAX's own ``_prim.expand``, say (a renamed module's
+        return None  # file is still caught where it is cited as a file, ``_rules.py``)
+    if not any(_relative_name_resolves(dotted, home) for home in homes):
+        return "does not exist in that module"
+    return None
+
+
 def _check_module(citing: Path, match: re.Match) -> str | None:
     if not _module_resolves(match.group(1).rstrip(".")):
         return "is not a module of the repository"
@@ -270,7 +312,10 @@ def _check_anchor(citing: Path, match: re.Match) -> str | None:
 
 def _check_section_title(citing: Path, match: re.Match) -> str | None:
     title = re.sub(r"\s+", " ", match.group(1))  # a title may wrap over lines
-    if title not in _heading_texts((ROOT / "BENCHMARKS.md").read_text()):
+    headings = _heading_texts((ROOT / "BENCHMARKS.md").read_text())
+    # A table's heading is "script: what it measures"; the script's name alone cites it too.
+    names = {heading.split(": ")[0] for heading in headings if ": " in heading}
+    if title not in headings and title not in names:
         return f"({title!r}) is not a section title of BENCHMARKS.md"
     return None
 
@@ -279,6 +324,7 @@ CHECKS = (
     (_PATH, _check_path),
     (_ROOT_FILE, _check_path),
     (_NEIGHBOUR, _check_neighbour),
+    (_RELATIVE_NAME, _check_relative_name),
     (_MODULE, _check_module),
     (_PRIVATE, _check_private_name),
     (_LINK, _check_link),
@@ -328,6 +374,14 @@ def test_placeholders_globs_and_user_paths():
     assert _check_neighbour(readme, _NEIGHBOUR.search("`_rules.py`")) is None
     assert _check_neighbour(readme, _NEIGHBOUR.search("`_engine/_compat.py`")) is None
     assert _check_neighbour(readme, _NEIGHBOUR.search("`_gone.py`"))
+    for name, ok in [
+        ("_caster.keep", True),
+        ("_engine._visit.walk", True),
+        ("_visit.walk", True),  # a sibling package's module
+        ("_caster.gone", False),
+        ("_prim.expand", True),  # no module of jaxamp: someone else's private name
+    ]:
+        assert (_check_relative_name(readme, _RELATIVE_NAME.search(f"`{name}`")) is None) == ok
     assert _module_resolves("benchmarks.report") and not _module_resolves("benchmarks.gone")
     assert _module_resolves("examples.md")
     assert _private_name_resolves("jaxamp._policy.Policy")
@@ -341,7 +395,8 @@ See `jaxamp/_gone.py`, the runs (BENCHMARKS.md#gone-runs), BENCHMARKS.md, "Gone
 section", `python -m benchmarks.gone`, `jaxamp._autocast._gone`, [here](#nowhere),
 [there](nothing.md) and tests/gone/.
 Fine: `jaxamp/_policy.py`, BENCHMARKS.md#older-runs, BENCHMARKS.md, "Older
-runs", [notes](#notes), /tmp/tests/gone.py, `benchmarks/results/<script>.json`.
+runs", BENCHMARKS.md, "step_overhead", [notes](#notes), /tmp/tests/gone.py,
+`benchmarks/results/<script>.json`.
 """
 
 

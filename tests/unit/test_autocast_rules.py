@@ -19,7 +19,7 @@ from jax.experimental import io_callback
 
 import jaxamp
 from jaxamp._engine import _compat as compat
-from jaxamp._engine._interpreter import walk
+from jaxamp._engine._visit import walk
 from tests.helpers import assert_close, dot_dtypes
 
 PUBLIC_MODULES = ("jax.lax", "jax.extend.core.primitives", "jax.random", "jax.nn")
