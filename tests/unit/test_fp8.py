@@ -281,3 +281,19 @@ def test_numerics_report_shows_each_fp8_operand_amax_scale_and_flushed_fraction(
     assert amaxes == [0.5, 1.0]
     scales = sorted(op.max_abs for op in report.ops if op.primitive == "div" and op.max_abs > 1)
     assert scales == [448.0, 896.0]
+
+
+class _Gpu:
+    platform, device_kind = "gpu", "NVIDIA GPU"
+
+    def __init__(self, capability):
+        self.compute_capability = capability
+
+
+def test_policy_for_device_says_where_fp8_pays_and_that_a_cpu_emulates_it():
+    _, cpu = jaxamp.policy_for_device(jax.devices("cpu")[0], with_reason=True)
+    assert "'mixed_float8'" in cpu and "emulated" in cpu
+    for capability, has_fp8 in (("9.0", True), ("8.9", True), ("8.6", False), ("8.0", False)):
+        policy, reason = jaxamp.policy_for_device(_Gpu(capability), with_reason=True)
+        assert policy == jaxamp.get_policy("mixed_bfloat16")
+        assert ("FP8 Tensor Cores" in reason) == has_fp8, capability
