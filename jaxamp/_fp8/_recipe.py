@@ -33,7 +33,8 @@ def _fp8_dtype(value: Any, argument: str, default: str) -> np.dtype:
     if dtype is None or dtype.name not in _FP8_DTYPES:
         raise TypeError(
             f"Float8Recipe({argument}=...) must be jnp.float8_e4m3fn or jnp.float8_e5m2 "
-            f"(e.g. {argument}=jnp.{default}); got {value!r}. For a 16-bit policy "
+            f"(e.g. {argument}=jnp.{default}); got {dtype.name if dtype else repr(value)}. "
+            "For a 16-bit policy "
             "use autocast(fun, 'mixed_bfloat16') instead of a Float8Recipe."
         )
     return dtype
@@ -48,7 +49,7 @@ def _compute_dtype(value: Any) -> np.dtype:
         raise TypeError(
             "Float8Recipe(compute_dtype=...) is the dtype of matmul results and of "
             "everything that is not a matmul, and must be 16-bit: jnp.bfloat16 (default) "
-            f"or jnp.float16; got {value!r}."
+            f"or jnp.float16; got {dtype.name if dtype else repr(value)}."
         )
     return dtype
 
