@@ -14,6 +14,7 @@ from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
 from jaxamp._engine._trace import flatten_call, is_array
+from jaxamp._fp8 import as_recipe
 from jaxamp._numerics._instrument import NEVER, instrumented
 from jaxamp._numerics._sites import Site, catalog
 from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
@@ -82,7 +83,7 @@ def prepare(fun, args, kwargs, policy, grad, loss_scale) -> tuple[Callable, list
     check_callable(fun)
     scale = _check_loss_scale(loss_scale, grad)
     if policy is not None:
-        fun = autocast(fun, get_policy(policy))
+        fun = autocast(fun, as_recipe(policy) or get_policy(policy))
     call, dynamic = flatten_call(fun, args, kwargs)
     if grad:
         program, inputs = _gradient_program(call, args, dynamic, scale)
