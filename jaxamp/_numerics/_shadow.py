@@ -104,7 +104,7 @@ def local_twins(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any], shad
     if not any(wanted) or all(v.shadow is None for v in ins):
         return [None] * len(outs)
     if eqn.primitive.name in _ROUNDING:
-        return [_wide(ins[0].value)]
+        return [widen(ins[0].value)]
     args = [_wide_normal(v.value) for v in ins]
     try:
         params, risky = twin_params(eqn)
