@@ -17,6 +17,7 @@ import importlib.util as _importlib_util
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
+from jaxamp._fp8 import Float8Recipe
 from jaxamp._loss_scaling._finite import all_finite, select_tree
 from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
 from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
@@ -45,6 +46,7 @@ __all__ = [
     "AccumulationState",
     "AutocastContext",
     "DynamicLossScale",
+    "Float8Recipe",
     "LossScale",
     "LossScalingState",
     "LowPrecisionState",

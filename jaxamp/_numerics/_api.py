@@ -15,6 +15,7 @@ from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
 from jaxamp._engine._trace import is_array
+from jaxamp._fp8 import as_recipe
 from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
 from jaxamp._numerics._instrument import all_finite_flag, instrumented
 from jaxamp._numerics._sites import catalog
@@ -95,7 +96,7 @@ def prepare(
     """
     check_options(fun, has_aux)
     scale = _check_loss_scale(loss_scale, grad)
-    resolved = get_policy(policy) if policy is not None else None
+    resolved = None if policy is None else (as_recipe(policy) or get_policy(policy))
     traced = TracedCall(fun, args, kwargs, resolved, grad, has_aux)
     inputs = traced.inputs(jnp.asarray(scale, jnp.float32))
     key = cache_key(fun, resolved, grad, has_aux, traced.treedef, traced.static, traced.dynamic)

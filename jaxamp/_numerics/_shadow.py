@@ -25,7 +25,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating
+from jaxamp._casting import is_floating, is_narrow, widen
 from jaxamp._engine import _compat as compat
 from jaxamp._numerics._retype import check_lowers, every_twin_checked, twin_params
 
@@ -46,14 +46,6 @@ class Val(NamedTuple):
     stats: Any = None
 
 
-def is_narrow(x: Any) -> bool:
-    return is_floating(x) and np.dtype(x.dtype).itemsize < 4
-
-
-def _wide(x: Any) -> Any:
-    return x.astype(jnp.float32) if is_narrow(x) else x
-
-
 def _wide_normal(x: Any) -> Any:
     """``x`` in float32 with its 16-bit zero and subnormal values as zero."""
     if not is_narrow(x):
@@ -64,7 +56,7 @@ def _wide_normal(x: Any) -> Any:
 
 def widened(val: Val) -> Any:
     """The shadow of ``val`` (its value in at least float32 when it has none)."""
-    return val.shadow if val.shadow is not None else _wide(val.value)
+    return val.shadow if val.shadow is not None else widen(val.value)
 
 
 def materialize(val: Val) -> Any:
@@ -112,7 +104,7 @@ def local_twins(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any], shad
     if not any(wanted) or all(v.shadow is None for v in ins):
         return [None] * len(outs)
     if eqn.primitive.name in _ROUNDING:
-        return [_wide(ins[0].value)]
+        return [widen(ins[0].value)]
     args = [_wide_normal(v.value) for v in ins]
     try:
         params, risky = twin_params(eqn)
