@@ -30,6 +30,9 @@ class _Config:
     grad_reduction: str | None
     accumulation_steps: int
     max_consecutive_skips: int | None
+    # inner takes float32 grads for 16-bit params (low_precision_optimizer):
+    # unscaling back into float16 would flush what the scale protected.
+    float32_grads: bool = False
 
 
 def _check_loss_scale(loss_scale: Any) -> Any:
@@ -59,7 +62,7 @@ def _make_config(
     accumulation_steps: Any,
     max_consecutive_skips: Any,
 ) -> _Config:
-    check_transformation(inner, "inner")
+    _check_inner(inner)
     _check_axis_name(axis_name)
     if grad_reduction not in _GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be None, 'mean' or 'sum'; got {grad_reduction!r}.")
@@ -76,7 +79,19 @@ def _make_config(
         grad_reduction=grad_reduction,
         accumulation_steps=int(accumulation_steps),
         max_consecutive_skips=check_max_consecutive_skips(max_consecutive_skips),
+        float32_grads=getattr(inner, "takes_float32_grads", False) is True,
     )
+
+
+def _check_inner(inner: Any) -> None:
+    if isinstance(inner, optax.MultiSteps):
+        raise TypeError(
+            "inner must be an optax.GradientTransformation; got optax.MultiSteps, which "
+            "is not one. Use loss_scaling(tx, accumulation_steps=k) to accumulate "
+            "gradients (the loss scale then stays constant over the window), or pass "
+            "the MultiSteps' .gradient_transformation()."
+        )
+    check_transformation(inner, "inner")
 
 
 def loss_scaling(
@@ -91,7 +106,10 @@ def loss_scaling(
     """Wraps ``inner`` with loss scaling and skipping of non-finite steps.
 
     ``update`` takes the gradients of the SCALED loss (``loss * loss_scale``):
-    it unscales them (in float32 for 16-bit leaves; each leaf keeps its dtype),
+    it unscales them (in float32 for 16-bit leaves; each leaf keeps its dtype,
+    except that :func:`jaxamp.low_precision_optimizer` as ``inner`` gets the
+    grads of 16-bit params in float32, so that small float16 gradients are not
+    flushed to zero on the way),
     checks once over all leaves that they are finite, adjusts the loss scale kept
     in the state, and applies ``inner`` only on a finite step. On a skipped step
     the updates are exact zeros and ``inner``'s state comes back bit-identical.
@@ -154,7 +172,8 @@ def loss_scaling(
     def update_fn(updates, state, params=None, **extra_args):
         _check_state(state)
         single = config.accumulation_steps == 1
-        grads = _unscale(updates, state.loss_scale, config, keep_dtype=single)
+        keep_dtype = single and not config.float32_grads
+        grads = _unscale(updates, state.loss_scale, config, keep_dtype=keep_dtype)
         finite = _finite_flag(updates, grads, state.loss_scale, config)
         if single:
             new_updates, new_state = _step(config, grads, finite, state, params, extra_args)
@@ -317,7 +336,7 @@ def _accumulate(
     grad_sum = _add_finite(acc.grad_sum, grads, finite)
     window_finite = acc.window_finite & finite
     end = acc.mini_step == config.accumulation_steps - 1
-    mean = _window_mean(grad_sum, grads, raw, config.accumulation_steps)
+    mean = _window_mean(grad_sum, grads, raw, config)
     new_updates, inner_state = _gated_update(
         config.inner, mean, end & window_finite, state.inner_state, params, extra_args
     )
@@ -355,10 +374,20 @@ def _add_finite(grad_sum: Any, grads: Any, finite: jax.Array) -> Any:
     return _map_sum(lambda s, g: select(finite, s + widen(g), s), grad_sum, grads)
 
 
-def _window_mean(grad_sum: Any, grads: Any, raw: Any, steps: int) -> Any:
-    """The window's mean gradient in each raw grad's own dtype (non-floating grads pass)."""
+def _window_mean(grad_sum: Any, grads: Any, raw: Any, config: _Config) -> Any:
+    """The window's mean gradient in each raw grad's own dtype (non-floating grads pass).
+
+    In float32 for an ``inner`` that takes float32 grads (``config.float32_grads``).
+    """
+    steps = config.accumulation_steps
+
+    def mean(s, g, u):
+        if s is None:
+            return g
+        return s / steps if config.float32_grads else (s / steps).astype(u.dtype)
+
     return jax.tree.map(
-        lambda s, g, u: g if s is None else (s / steps).astype(u.dtype),
+        mean,
         grad_sum,
         grads,
         raw,
