@@ -109,14 +109,22 @@ def check_callable(fun: Any, name: str = "fun") -> None:
         raise TypeError(f"{name} must be callable; got {type(fun).__name__}: {fun!r}.")
 
 
-def check_transformation(value: Any, name: str) -> None:
+def check_transformation(value: Any, name: str, *, multi_steps: str = "") -> None:
     """Raises a ``TypeError`` unless ``value`` is an optax transformation.
+
+    ``optax.MultiSteps`` is not one (it wraps a transformation); ``multi_steps``
+    says what to do instead.
 
     >>> from jaxamp._checks import check_transformation
     >>> check_transformation(3, "tx")
     Traceback (most recent call last):
     TypeError: tx must be an optax.GradientTransformation such as optax.adam(1e-3); got int: 3.
     """
+    if isinstance(value, optax.MultiSteps):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation; got optax.MultiSteps, which "
+            f"is not one. {multi_steps}".rstrip()
+        )
     if not isinstance(value, optax.GradientTransformation):
         raise TypeError(
             f"{name} must be an optax.GradientTransformation such as optax.adam(1e-3); "

@@ -84,14 +84,15 @@ def _make_config(
 
 
 def _check_inner(inner: Any) -> None:
-    if isinstance(inner, optax.MultiSteps):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation; got optax.MultiSteps, which "
-            "is not one. Use loss_scaling(tx, accumulation_steps=k) to accumulate "
-            "gradients (the loss scale then stays constant over the window), or pass "
-            "the MultiSteps' .gradient_transformation()."
-        )
-    check_transformation(inner, "inner")
+    check_transformation(
+        inner,
+        "inner",
+        multi_steps=(
+            "Use loss_scaling(tx, accumulation_steps=k) to accumulate gradients (the loss "
+            "scale then stays constant over the window), or pass the MultiSteps' "
+            ".gradient_transformation()."
+        ),
+    )
 
 
 def loss_scaling(

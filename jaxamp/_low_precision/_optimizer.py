@@ -82,13 +82,14 @@ class _Config:
 
 
 def _check_inner(inner: Any) -> None:
-    if isinstance(inner, optax.MultiSteps):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation; got optax.MultiSteps, which "
-            "is not one. Pass its .gradient_transformation() (or wrap this transformation "
-            "in optax.MultiSteps instead)."
-        )
-    check_transformation(inner, "inner")
+    check_transformation(
+        inner,
+        "inner",
+        multi_steps=(
+            "Pass its .gradient_transformation() (or wrap this transformation in "
+            "optax.MultiSteps instead)."
+        ),
+    )
 
 
 def _check_state_dtype(state_dtype: Any) -> np.dtype | None:

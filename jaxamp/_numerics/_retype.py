@@ -31,6 +31,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._casting import widen
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 
@@ -96,11 +97,6 @@ def _wide_aval(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, dtype)
 
 
-def _wide(x: Any) -> Any:
-    dtype = getattr(x, "dtype", None)
-    return x.astype(jnp.float32) if dtype is not None and is_narrow_dtype(dtype) else x
-
-
 def _apply_twin(eqn: jex.JaxprEqn, ins: list[Any]) -> list[Any]:
     params, _ = twin_params(eqn)
     return compat.bind_eqn(eqn.replace(params=params), ins)
@@ -114,7 +110,7 @@ def _retyped(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> jex.Jaxpr | jex.ClosedJaxpr:
     avals = [_wide_aval(v.aval) for v in closed.jaxpr.invars]
 
     def fun(*args):
-        return eval_jaxpr(closed, args, _apply_twin, lift=_wide)
+        return eval_jaxpr(closed, args, _apply_twin, lift=widen)
 
     try:
         new = jax.make_jaxpr(fun)(*avals)
