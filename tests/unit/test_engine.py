@@ -89,7 +89,7 @@ def test_an_explicit_cast_under_follow_is_kept():
 
 def _catalogued():
     closed = jax.make_jaxpr(_program)(W, X)
-    return closed, catalog(closed, [False, False], [True])
+    return closed, catalog(closed, [False, False], ["forward"])
 
 
 def test_catalog_and_evaluation_agree_on_every_site():
