@@ -341,6 +341,36 @@ CASES = [
         ValueError,
         ["dtype", "16-bit", "float32"],
     ),
+    (
+        'Float8Recipe(scaling="colwise")',
+        lambda: jaxamp.Float8Recipe(scaling="colwise"),
+        ValueError,
+        ["scaling", "'colwise'", "'tensorwise'", "'rowwise'", "'blockwise'", "'mxfp8'"],
+    ),
+    (
+        "Float8Recipe(forward_dtype=jnp.bfloat16)",
+        lambda: jaxamp.Float8Recipe(forward_dtype=jnp.bfloat16),
+        TypeError,
+        ["forward_dtype", "float8_e4m3fn", "got bfloat16", "'mixed_bfloat16'"],
+    ),
+    (
+        "Float8Recipe(gradient_dtype=jnp.int8)",
+        lambda: jaxamp.Float8Recipe(gradient_dtype=jnp.int8),
+        TypeError,
+        ["gradient_dtype", "float8_e5m2", "got int8"],
+    ),
+    (
+        "Float8Recipe(compute_dtype=jnp.float32)",
+        lambda: jaxamp.Float8Recipe(compute_dtype=jnp.float32),
+        TypeError,
+        ["compute_dtype", "16-bit", "jnp.bfloat16", "got float32"],
+    ),
+    (
+        "Float8Recipe(power_of_two_scale=1)",
+        lambda: jaxamp.Float8Recipe(power_of_two_scale=1),
+        TypeError,
+        ["power_of_two_scale", "True or False", "int"],
+    ),
 ]
 
 
