@@ -31,7 +31,7 @@ from jaxamp._loss_scaling._state import (
 from jaxamp._loss_scaling._transform import loss_scaling
 from jaxamp._low_precision._optimizer import LowPrecisionState, low_precision_optimizer
 from jaxamp._low_precision._rounding import stochastic_round
-from jaxamp._numerics import NumericsReport, OpStats, numerics_report
+from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics_report
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._version import __version__
@@ -69,6 +69,7 @@ __all__ = [
     "loss_scaling",
     "loss_scaling_metrics",
     "low_precision_optimizer",
+    "numerics_monitor",
     "numerics_report",
     "pad_to_multiple",
     "policy_for_device",

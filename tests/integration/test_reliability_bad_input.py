@@ -306,6 +306,30 @@ CASES = [
         ["state_dtype", "16-bit", "float32", "jnp.bfloat16"],
     ),
     (
+        "low_precision_optimizer(tx, state_dtype=jnp.float16)",
+        lambda: jaxamp.low_precision_optimizer(optax.adam(0.1), state_dtype=jnp.float16),
+        ValueError,
+        ["state_dtype", "jnp.bfloat16", "float16", "second moments", "6e-8"],
+    ),
+    (
+        "low_precision_optimizer(tx, seed=2**32)",
+        lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), seed=2**32),
+        ValueError,
+        ["seed", "[0, 2**32 - 1]", "4294967296"],
+    ),
+    (
+        "low_precision_optimizer(tx, seed=-1)",
+        lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), seed=-1),
+        ValueError,
+        ["seed", "[0, 2**32 - 1]", "-1"],
+    ),
+    (
+        "loss_scaling(optax.MultiSteps(tx, 4))",
+        lambda: jaxamp.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 4)),
+        TypeError,
+        ["inner", "optax.MultiSteps", "accumulation_steps", ".gradient_transformation()"],
+    ),
+    (
         "low_precision_optimizer(tx).init({'n': jnp.arange(3)})",
         lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1)).init({"n": jnp.arange(3)}),
         TypeError,
