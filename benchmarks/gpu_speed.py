@@ -15,6 +15,12 @@ ratios to float32-master Adam: on a GPU that step is bound by the bytes it moves
 The full size runs only on a GPU; on another backend the script records that it was skipped.
 ``--smoke`` runs tiny dims on any backend (CI; the numbers mean nothing).
 
+FP8 rows (``payload["fp8_gemm"]``, ``payload["fp8_step"]``): square GEMMs of 1k to 16k and
+the GPT step (float32 model, loss under ``jaxamp.autocast``), each ``jaxamp.Float8Recipe``
+scaling against ``"mixed_bfloat16"`` through the same autocast, timed interleaved in one
+process (medians): TFLOP/s and the ratio to bf16. A row that fails (out of memory: blockwise
+and mxfp8 materialise one float32 partial product per K block) records its error.
+
     python -m benchmarks.gpu_speed            # full size, GPU only
     python -m benchmarks.gpu_speed --smoke    # seconds, any backend
 """
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import jaxamp
@@ -34,6 +41,8 @@ from benchmarks import _harness, _models, low_precision
 NAME = "gpu_speed"
 PAD_MULTIPLE = 64
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+GEMM_SIZES = (1024, 2048, 4096, 8192, 16384)
 # The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.
 OPTIMIZER = {"sizes": {"n_leaves": 8, "width": 8192, "batch": 8}, "reps": 20, "rep_seconds": 0.2}
 SMOKE_OPTIMIZER = {"sizes": low_precision.SMOKE_SIZES, "reps": 2, "rep_seconds": 0.001}
@@ -120,6 +129,102 @@ def measure(
     }
 
 
+def _fp8_variants() -> dict[str, Any]:
+    return {
+        "bf16": "mixed_bfloat16",
+        **{f"fp8_{s}": jaxamp.Float8Recipe(s) for s in FP8_SCALINGS},
+    }
+
+
+def _interleaved(fns: dict[str, Any], args: tuple, reps: int, inner: int) -> dict[str, Any]:
+    """Median seconds per call of each compiled fn, timed in rotating order; or its error."""
+    compiled, out = {}, {}
+    for name, fn in fns.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            compiled[name] = fn
+        except Exception as error:  # an out-of-memory row is a result, not a crash
+            out[name] = f"failed: {type(error).__name__}: {str(error)[:200]}"
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    names = list(compiled)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            start = time.perf_counter()
+            for _ in range(inner):
+                result = compiled[name](*args)
+            jax.block_until_ready(result)
+            times[name].append((time.perf_counter() - start) / inner)
+    return {**out, **{name: _harness.median(t) for name, t in times.items()}}
+
+
+def fp8_gemm_rows(sizes: Sequence[int], reps: int, inner: int) -> list[dict[str, Any]]:
+    """``x @ w`` of n x n bfloat16 operands under autocast, each recipe against bf16."""
+    rows = []
+    for n in sizes:
+        keys = jax.random.split(jax.random.key(n))
+        x, w = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys)
+        fns = {
+            name: jax.jit(jaxamp.autocast(lambda x, w: x @ w, policy))
+            for name, policy in _fp8_variants().items()
+        }
+        rows.append(_ratio_row({"n": n}, _interleaved(fns, (x, w), reps, inner), 2.0 * n**3))
+    return rows
+
+
+def fp8_step_rows(config: _models.GPTConfig, reps: int, inner: int) -> dict[str, Any]:
+    """One GPT training step (float32 model, loss under autocast), each recipe against bf16."""
+    model = _models.GPT(config)
+    params = _models.gpt_init(model, config)
+    loss_fn = _models.gpt_loss_fn(model)
+    batch = _models.gpt_batch(config)
+    tx = optax.adamw(3e-4)
+
+    def step_of(policy):
+        loss = jaxamp.autocast(loss_fn, policy)
+
+        def step(params, opt_state, batch):
+            value, grads = jax.value_and_grad(loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return jax.jit(step)
+
+    fns = {name: step_of(policy) for name, policy in _fp8_variants().items()}
+    timed = _interleaved(fns, (params, tx.init(params), batch), reps, inner)
+    return _ratio_row({"model": "gpt"}, timed, config.train_flops_per_step())
+
+
+def _ratio_row(row: dict[str, Any], timed: dict[str, Any], flops: float) -> dict[str, Any]:
+    base = timed.get("bf16")
+    for name, t in timed.items():
+        if isinstance(t, str):
+            row[name] = {"error": t}
+            continue
+        ratio = None if not isinstance(base, float) else base / t
+        row[name] = {"median_s": t, "tflops_per_s": flops / t / 1e12, "speedup_vs_bf16": ratio}
+    return row
+
+
+def fp8_table(rows: list[dict[str, Any]]) -> str:
+    names = list(_fp8_variants())
+    headers = ["case", *(f"{n} TFLOP/s (x bf16)" for n in names)]
+    body = []
+    for r in rows:
+        cells = [f"n={r['n']}" if "n" in r else r["model"]]
+        for n in names:
+            c = r[n]
+            ratio = c.get("speedup_vs_bf16")
+            cells.append(
+                c["error"][:30]
+                if "error" in c
+                else f"{c['tflops_per_s']:.1f} ({ratio:.2f}x)"
+                if ratio
+                else f"{c['tflops_per_s']:.1f}"
+            )
+        body.append(cells)
+    return _harness.format_table(headers, body)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     headers = [
         "precision",
@@ -194,9 +299,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result = measure(config, model_flops, precision, padded, reps, steps_per_rep, peak)
             results.append(result)
             print(table([result]), flush=True)
+    sizes, fp8_reps, inner = ((128,), 1, 1) if args.smoke else (GEMM_SIZES, 10, 5)
+    with jax.numpy_dtype_promotion("standard"):
+        payload["fp8_gemm"] = fp8_gemm_rows(sizes, fp8_reps, inner)
+        payload["fp8_step"] = fp8_step_rows(config, fp8_reps, inner)
     payload["status"] = "ok"
     payload["results"] = results
     print(table(results))
+    print(fp8_table([*payload["fp8_gemm"], payload["fp8_step"]]))
     optimizer = SMOKE_OPTIMIZER if args.smoke else OPTIMIZER
     with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes floats and int32
         payload["optimizer"] = {

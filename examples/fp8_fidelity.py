@@ -113,6 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--digits-batch", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fast", action="store_true", help="one tiny run per setup (tests)")
+    parser.add_argument(
+        "--from-log",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="write the tables from these fp8_fidelity.jsonl files instead of training",
+    )
     args = parser.parse_args(argv)
     if args.fast:
         args.seeds, args.charlm_steps, args.charlm_width, args.charlm_layers = 1, 4, 32, 1
@@ -130,7 +137,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "fp8_fidelity.jsonl"
     records = []
-    for example in args.examples:
+    if args.from_log is not None:
+        for path in args.from_log:
+            records += [json.loads(line) for line in path.read_text().splitlines() if line]
+        args.examples = [e for e in RUNS if any(r["example"] == e for r in records)]
+        log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for example in args.examples if args.from_log is None else ():
         for seed in range(args.seeds):
             for setup in args.setups:
                 record = {"example": example, "setup": setup, "seed": seed}
@@ -149,7 +161,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"charlm: {args.charlm_layers} blocks, width {args.charlm_width}, batch "
         f"{args.charlm_batch} x {args.charlm_context} characters, {args.charlm_steps} steps. "
         f"digits: {args.digits_steps} steps of {args.digits_batch} images. Convolutions are "
-        "FP8 tensorwise under every recipe (docs/fp8.md).",
+        "FP8 tensorwise under every recipe (docs/fp8.md). "
+        + (
+            "Tables joined (--from-log) from the jsonl logs of runs of this script with the "
+            "same settings, one per example (`--examples charlm`, `--examples digits`), "
+            "run side by side."
+            if args.from_log is not None
+            else ""
+        ),
     )
     print(tables)
     return records

@@ -157,6 +157,12 @@ def test_gpu_speed_smoke(tmp_path):
         dims = r["dims"]
         aligned = all(d % gpu_speed.PAD_MULTIPLE == 0 for d in dims.values())
         assert aligned == r["padded"]
+    # FP8 rows: one GEMM size and the GPT step, every recipe next to bf16 autocast.
+    variants = {"bf16", *(f"fp8_{s}" for s in gpu_speed.FP8_SCALINGS)}
+    for row in [*payload["fp8_gemm"], payload["fp8_step"]]:
+        assert variants <= set(row)
+        assert row["bf16"]["speedup_vs_bf16"] == 1.0
+        assert all(_positive(row[v]["tflops_per_s"]) for v in variants)
     # The optimizer step of every low_precision variant, timed against float32 Adam.
     optimizer = {r["variant"]: r for r in payload["optimizer"]["results"]}
     assert set(optimizer) == set(low_precision.VARIANTS)
