@@ -110,6 +110,9 @@ _KEEP = (
     "select_and_gather_add",
     "custom_linear_solve",  # linear algebra: its matvec/solve jaxprs run as traced
     "custom_vjp_call",  # its fwd/bwd rules run at the dtypes they were written for
+    # jax 0.12's frexp, ldexp, searchsorted, nonzero(size=), custom_root: typed
+    # objects with their own AD rules (custom_root's implicit differentiation).
+    "call_hi_primitive",
     "pure_callback",  # host code expects the traced dtypes
     "io_callback",
 )
