@@ -6,6 +6,7 @@ and how each rule kind treats them.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -46,6 +47,14 @@ class Autocaster:
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.rules = rules
         self.pad_to = pad_to
+        # True inside a custom_jvp's JVP rule: JAX transposes what it computes.
+        self.transposable = False
+
+    def for_jvp_rule(self) -> Autocaster:
+        """The same autocaster, with matmuls JAX can transpose (for JVP rules)."""
+        child = copy.copy(self)
+        child.transposable = True
+        return child
 
     @staticmethod
     def bind(eqn: jex.JaxprEqn, *args: Any) -> list[Any]:
@@ -142,7 +151,9 @@ class Autocaster:
         if self.pad_to is not None:
             lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, self.pad_to)
         extra = [v for v, _ in rest]
-        out = run_matmul(eqn, lhs, rhs, *extra, dtype=self.compute_dtype)
+        out = run_matmul(
+            eqn, lhs, rhs, *extra, dtype=self.compute_dtype, transposable=self.transposable
+        )
         if unpad is not None:
             out = unpad(out)
         return [(out, ACTIVATION)]

@@ -64,7 +64,8 @@ def _handle_custom_jvp(ac, eqn, ins):
         zeros = [compat.is_float0(t) for t in tangents]
         closed, out_zeros = parts.jvp_jaxpr(zeros)
         nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
-        outs = ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
+        rule_ac = ac.for_jvp_rule()  # JAX transposes the tangent products under grad
+        outs = rule_ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
         primal_outs = [v for v, _ in outs[: len(out_zeros)]]
         nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])
         p_out, t_out = [], []

@@ -119,14 +119,30 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
     return matmul
 
 
-def run_matmul(eqn: jex.JaxprEqn, x: Any, w: Any, *extra: Any, dtype: np.dtype) -> Any:
+def _transposable(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
+    # The same products with float32 accumulation, built only from primitives JAX
+    # can transpose (no custom_vjp, no optimization barrier). On XLA:CPU the 16-bit
+    # operands are widened first: exact, and the dot XLA:CPU runs anyway.
+    params = {**params, "preferred_element_type": _F32}
+    if jax.default_backend() == "cpu":
+        x, w = jax.lax.convert_element_type(x, _F32), jax.lax.convert_element_type(w, _F32)
+    return jax.lax.convert_element_type(prim.bind(x, w, *extra, **params), dtype)
+
+
+def run_matmul(
+    eqn: jex.JaxprEqn, x: Any, w: Any, *extra: Any, dtype: np.dtype, transposable: bool = False
+) -> Any:
     """The product of ``eqn`` on compute-dtype operands, result in ``dtype``.
 
     ``extra`` are the equation's non-floating operands after the two factors.
+    ``transposable``: for code JAX linearizes and transposes itself (the JVP
+    rule of a ``custom_jvp`` under ``jax.grad``), which a ``custom_vjp`` breaks.
     """
     if dtype.itemsize >= 4:
         # float32 (or wider) compute: run as written, so a float32 policy is exact.
         return compat.bind_eqn(eqn, [x, w, *extra])[0]
+    if transposable:
+        return _transposable(eqn.primitive, dict(eqn.params), dtype, x, w, *extra)
     return _mixed_matmul(eqn.primitive, dict(eqn.params), dtype)(x, w, *extra)
 
 
