@@ -47,11 +47,12 @@ class Autocaster:
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.rules = rules
         self.pad_to = pad_to
-        # True inside a custom_jvp's JVP rule: JAX transposes what it computes.
+        # True inside a custom_jvp's JVP rule (JAX transposes what it computes) and
+        # inside a checkpoint with a policy (which must see the dot_generals).
         self.transposable = False
 
-    def for_jvp_rule(self) -> Autocaster:
-        """The same autocaster, with matmuls JAX can transpose (for JVP rules)."""
+    def with_transposable_matmuls(self) -> Autocaster:
+        """The same autocaster, emitting matmuls as JAX's own 16-bit dot_generals."""
         child = copy.copy(self)
         child.transposable = True
         return child

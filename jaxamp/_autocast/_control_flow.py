@@ -47,6 +47,8 @@ def _handle_remat(ac, eqn, ins):
     parts = compat.remat_parts(eqn)
     values, roles = _split(ins)
     box: list = []
+    if parts.policy is not None:  # dots_saveable & co. must see dot_generals
+        ac = ac.with_transposable_matmuls()
     fun = ac.function_of(parts.jaxpr, (), roles, box)
     outs = jax.checkpoint(fun, prevent_cse=parts.prevent_cse, policy=parts.policy)(*values)
     return list(zip(outs, box, strict=True))
@@ -64,7 +66,7 @@ def _handle_custom_jvp(ac, eqn, ins):
         zeros = [compat.is_float0(t) for t in tangents]
         closed, out_zeros = parts.jvp_jaxpr(zeros)
         nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
-        rule_ac = ac.for_jvp_rule()  # JAX transposes the tangent products under grad
+        rule_ac = ac.with_transposable_matmuls()  # JAX transposes the tangent products under grad
         outs = rule_ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
         primal_outs = [v for v, _ in outs[: len(out_zeros)]]
         nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])

@@ -120,13 +120,11 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
 
 
 def _transposable(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
-    # The same products with float32 accumulation, built only from primitives JAX
-    # can transpose (no custom_vjp, no optimization barrier). On XLA:CPU the 16-bit
-    # operands are widened first: exact, and the dot XLA:CPU runs anyway.
-    params = {**params, "preferred_element_type": _F32}
-    if jax.default_backend() == "cpu":
-        x, w = jax.lax.convert_element_type(x, _F32), jax.lax.convert_element_type(w, _F32)
-    return jax.lax.convert_element_type(prim.bind(x, w, *extra, **params), dtype)
+    # The product as hand-written 16-bit code has it (Flax's dtype=bfloat16 layers):
+    # a 16-bit dot_general whose result is 16-bit, which backends accumulate in
+    # float32. JAX differentiates and transposes it itself (no custom_vjp, no
+    # optimization barrier), and checkpoint policies see a dot_general.
+    return prim.bind(x, w, *extra, **{**params, "preferred_element_type": dtype})
 
 
 def run_matmul(
@@ -136,7 +134,8 @@ def run_matmul(
 
     ``extra`` are the equation's non-floating operands after the two factors.
     ``transposable``: for code JAX linearizes and transposes itself (the JVP
-    rule of a ``custom_jvp`` under ``jax.grad``), which a ``custom_vjp`` breaks.
+    rule of a ``custom_jvp`` under ``jax.grad``), which a ``custom_vjp`` breaks,
+    and for ``jax.checkpoint`` bodies whose policy must see the dots.
     """
     if dtype.itemsize >= 4:
         # float32 (or wider) compute: run as written, so a float32 policy is exact.
