@@ -26,6 +26,7 @@ from jaxamp._autocast._values import (
     promote,
     saturating_cast,
 )
+from jaxamp._autocast._wide import breaks_in, feeds_reduction, is_constant
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._policy import Policy
@@ -47,6 +48,8 @@ class Autocaster:
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.rules = rules
         self.pad_to = pad_to
+        # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
+        self._wide_powers: dict[int, tuple[Any, set[int]]] = {}
         # True inside a custom_jvp's JVP rule (JAX transposes what it computes) and
         # inside a checkpoint with a policy (which must see the dot_generals).
         self.transposable = False
@@ -66,7 +69,32 @@ class Autocaster:
 
     def eval_jaxpr(self, closed: jex.ClosedJaxpr, args: Sequence[tuple]) -> list[tuple]:
         """Evaluates ``closed`` on ``(value, role)`` pairs; returns such pairs."""
+        key = id(closed.jaxpr)
+        if key not in self._wide_powers:  # the jaxpr is kept alive with its ids
+            self._wide_powers[key] = (closed.jaxpr, feeds_reduction(closed.jaxpr))
         return eval_jaxpr(closed, args, self._apply, lift=_plain)
+
+    def _breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
+        """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
+        roles = [r for v, r in ins if is_float(v)]
+        if PINNED in roles or ACTIVATION not in roles:
+            return False  # nothing is narrowed
+        if any(id(eqn) in wide for _, wide in self._wide_powers.values()):
+            return True  # a power or product on its way into a float32 sum
+        plain = [v for v, r in ins if is_float(v) and r == PLAIN]
+        if any(breaks_in(v, self.compute_dtype) for v in plain):
+            return True  # an eps that underflows
+        if eqn.primitive.name == "div":
+            divisor, role = ins[1]
+            # A traced float32 divisor (a count, a norm) may be tiny; a constant
+            # that fits (x / 2.0, x / sqrt(d)) is safe, one that does not broke above.
+            return (
+                is_float(divisor)
+                and role == PLAIN
+                and _wider(divisor, self.compute_dtype)
+                and not is_constant(divisor)
+            )
+        return False
 
     def _apply(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         name = eqn.primitive.name
@@ -82,6 +110,8 @@ class Autocaster:
             return HANDLERS[name](self, eqn, ins)
         if rule == "follow" and name == "convert_element_type":
             return self._convert(eqn, ins)
+        if rule == "follow" and self._breaks_in_compute_dtype(eqn, ins):
+            return self._float32(eqn, ins)
         return _FIRST_ORDER[rule](self, eqn, ins)
 
     # -- first-order rules ----------------------------------------------------------
@@ -198,6 +228,10 @@ class Autocaster:
 
 def _plain(value: Any) -> tuple:
     return value, PLAIN
+
+
+def _wider(value: Any, dtype: np.dtype) -> bool:
+    return np.dtype(value.dtype).itemsize > dtype.itemsize
 
 
 class UnknownPrimitiveWarning(UserWarning):

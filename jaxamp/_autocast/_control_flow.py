@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._autocast._scatter import SCATTER_HANDLERS
-from jaxamp._autocast._values import PLAIN, aval, cast, is_float, promote
+from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, is_float, promote
+from jaxamp._autocast._wide import accumulator_carries
 from jaxamp._engine import _compat as compat
 
 __all__ = ["HANDLERS"]
@@ -100,12 +101,27 @@ def _join(carry: tuple, out: tuple) -> tuple:
 
 def _fixpoint(ac, closed, prefix, init, extra_types, n_carry) -> list[tuple]:
     types = [(np.dtype(v.dtype) if is_float(v) else None, r) for v, r in init]
+    # A float32 accumulator (running sum, EMA, Euler step) stays float32: see _wide.
+    traced = closed.jaxpr.invars[len(prefix) : len(prefix) + n_carry]
+    fixed = [
+        acc and t[0] is not None and np.dtype(var.aval.dtype).itemsize > ac.compute_dtype.itemsize
+        for acc, t, var in zip(
+            accumulator_carries(closed.jaxpr, len(prefix), n_carry), types, traced, strict=True
+        )
+    ]
+    types = [
+        (np.dtype(var.aval.dtype), PINNED) if f else t
+        for f, t, var in zip(fixed, types, traced, strict=True)
+    ]
     for _ in range(4):
         avals = [
             (aval(v, dt), r) for (v, _), (dt, r) in zip(init, types, strict=True)
         ] + extra_types
         outs = ac.probe(closed, prefix, avals)[:n_carry]
-        new = [_join(t, o) if t[0] is not None else t for t, o in zip(types, outs, strict=True)]
+        new = [
+            _join(t, o) if t[0] is not None and not f else t
+            for t, o, f in zip(types, outs, fixed, strict=True)
+        ]
         if new == types:
             break
         types = new
