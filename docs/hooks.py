@@ -1,7 +1,8 @@
 """MkDocs hooks (see mkdocs.yml): output generated from the code, so it cannot go stale.
 
 - ``<!-- autocast-rules-table -->`` becomes the table of ``jaxamp.AUTOCAST_RULES``
-  grouped by rule kind.
+  grouped by rule kind. README.md holds the same table, written there by
+  ``python docs/hooks.py`` (``tests/smoke/test_readme.py`` checks it is current).
 - ``<!-- output-of-previous-block -->`` becomes a ``text`` block holding what
   the ```python block just before it prints, run at build time (with ``jax``,
   ``jnp``, ``np``, ``optax`` and ``jaxamp`` already imported). Sample outputs
@@ -18,7 +19,26 @@ from typing import Any
 
 RULES_MARKER = "<!-- autocast-rules-table -->"
 OUTPUT_MARKER = "<!-- output-of-previous-block -->"
+# README.md's copy of the table sits between these two lines.
+README_RULES_BEGIN = (
+    "<!-- begin autocast-rules-table: generated from jaxamp.AUTOCAST_RULES by "
+    "`python docs/hooks.py`; do not edit -->"
+)
+README_RULES_END = "<!-- end autocast-rules-table -->"
 _PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+# What each kind does, in one line (the docs page and jaxamp/_autocast/_rules.py say more).
+RULE_SUMMARIES = {
+    "compute": "operands cast to the compute dtype, float32 accumulation "
+    "(`preferred_element_type`), result cast to the compute dtype; the backward products too",
+    "float32": "operands cast to float32, result float32",
+    "follow": "operands traced with one dtype get one dtype again: float32 if one is a "
+    "float32-rule result, else the compute dtype if one is an activation, else as traced",
+    "keep": "runs exactly as traced (operands cast back to their traced dtypes)",
+    "recurse": "rebuilt with JAX's public API around its rewritten inner jaxprs (control "
+    "flow, `jit`, `custom_jvp`, `checkpoint`, `shard_map`) or for its operands' new dtype "
+    "(the scatter family)",
+}
 
 
 def autocast_rules_table() -> str:
@@ -28,11 +48,18 @@ def autocast_rules_table() -> str:
     by_kind: dict[str, list[str]] = {}
     for primitive, kind in jaxamp.AUTOCAST_RULES.items():
         by_kind.setdefault(str(kind), []).append(primitive)
-    rows = ["| rule | primitives |", "|---|---|"]
-    for kind, primitives in by_kind.items():
-        names = ", ".join(f"`{p}`" for p in sorted(primitives))
-        rows.append(f"| `{kind}` | {names} |")
+    rows = ["| rule | what it does | primitives |", "|---|---|---|"]
+    for kind in sorted(by_kind):
+        names = ", ".join(f"`{p}`" for p in sorted(by_kind[kind]))
+        rows.append(f"| `{kind}` | {RULE_SUMMARIES[kind]} | {names} |")
     return "\n".join(rows)
+
+
+def readme_with_rules_table(readme: str) -> str:
+    """``readme`` with the table between its rules markers generated anew."""
+    begin = readme.index(README_RULES_BEGIN) + len(README_RULES_BEGIN)
+    end = readme.index(README_RULES_END, begin)
+    return f"{readme[:begin]}\n{autocast_rules_table()}\n{readme[end:]}"
 
 
 def printed_output(code: str) -> str:
@@ -66,3 +93,13 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     if RULES_MARKER in markdown:
         markdown = markdown.replace(RULES_MARKER, autocast_rules_table())
     return _insert_outputs(markdown)
+
+
+if __name__ == "__main__":  # python docs/hooks.py: rewrite README.md's rules table
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))  # this checkout's jaxamp, not another installed one
+    readme = root / "README.md"
+    readme.write_text(readme_with_rules_table(readme.read_text()))

@@ -35,6 +35,11 @@ def canonical_float_dtype(dtype: Any, argument: str) -> np.dtype:
     """Returns ``dtype`` as a floating ``np.dtype`` or raises naming ``argument``."""
     if isinstance(dtype, str):
         dtype = DTYPE_ALIASES.get(dtype.strip().lower(), dtype)
+    if dtype is None:  # jnp.dtype(None) is float64: never what a caller meant
+        raise TypeError(
+            f"{argument} must be a floating-point dtype such as jnp.float32, "
+            "jnp.bfloat16 or jnp.float16; got None."
+        )
     try:
         result = jnp.dtype(dtype)
     except TypeError as error:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
-from jaxamp._engine._interpreter import walk
+from jaxamp._engine._visit import walk
 
 __all__ = [
     "MatmulInfo",

@@ -7,71 +7,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._caster import Autocaster
-from jaxamp._autocast._control_flow import HANDLERS
+from jaxamp._autocast._dispatch import rule_table
 from jaxamp._autocast._remat import save_narrow_values
-from jaxamp._autocast._rules import AUTOCAST_RULES, MATMUL_PRIMITIVES, RULE_KINDS
 from jaxamp._autocast._values import PLAIN, cast, is_float
 from jaxamp._checks import check_bool, check_callable, is_int
+from jaxamp._engine._trace import trace
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["autocast"]
-
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-
-
-def _merge_rules(rules: Mapping | None) -> dict[str, Any]:
-    table: dict[str, Any] = dict(AUTOCAST_RULES)
-    if rules is None:
-        return table
-    if not isinstance(rules, Mapping):
-        raise TypeError(
-            "rules must be a mapping {primitive or primitive name: rule}; "
-            f"got {type(rules).__name__}: {rules!r}."
-        )
-    for key, rule in rules.items():
-        if isinstance(key, jex.Primitive):
-            name = key.name
-        elif isinstance(key, str):
-            name = key
-        else:
-            raise TypeError(
-                "rules keys must be jax primitives (e.g. jax.lax.exp_p) or their names "
-                f"(e.g. 'exp'); got {type(key).__name__}: {key!r}."
-            )
-        if isinstance(rule, str):
-            _check_rule_kind(name, rule)
-        elif not callable(rule):
-            raise TypeError(
-                f"rules[{name!r}] must be a rule name or a callable "
-                f"rule(autocaster, eqn, *args); got {type(rule).__name__}: {rule!r}."
-            )
-        table[name] = rule
-    return table
-
-
-def _check_rule_kind(name: str, rule: str) -> None:
-    if rule not in RULE_KINDS:
-        raise ValueError(
-            f"rules[{name!r}] must be one of {', '.join(map(repr, RULE_KINDS))} "
-            f"or a callable; got {rule!r}."
-        )
-    if rule == "compute" and name not in MATMUL_PRIMITIVES:
-        raise ValueError(
-            f"rules[{name!r}] = 'compute' is for contractions, which exist only for "
-            f"{', '.join(MATMUL_PRIMITIVES)}; for an elementwise primitive use 'follow' "
-            "(or 'float32'), or a callable."
-        )
-    if rule == "recurse" and name not in HANDLERS:
-        raise ValueError(
-            f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
-            f"only for {', '.join(sorted(HANDLERS))}; use 'keep' or a callable."
-        )
 
 
 def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
@@ -127,7 +75,7 @@ def autocast(
         (softmax, normalisation statistics, the loss) from them, with
         ``jax.checkpoint``. Saves memory for a little elementwise recomputation;
         has no effect when the compute dtype is 32-bit. On the GPT of
-        ``benchmarks/activation_memory``: residuals 0.53x of float32 instead of
+        ``benchmarks/activation_memory.py``: residuals 0.53x of float32 instead of
         0.64x.
 
     Returns:
@@ -149,27 +97,14 @@ def autocast(
     """
     check_callable(fun)
     policy = get_policy(policy)
-    table = _merge_rules(rules)
+    table = rule_table(rules)
     multiple = _pad_multiple(pad_to, policy)
     remat = check_bool(remat_float32, "remat_float32")
     remat = remat and np.dtype(policy.compute_dtype).itemsize < 4
 
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        is_dynamic = [isinstance(leaf, _ARRAY_TYPES) for leaf in leaves]
-        dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]
-        out_trees: list = []
-
-        def flat_fun(*dyn):
-            it = iter(dyn)
-            full = [next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)]
-            a, k = jax.tree.unflatten(treedef, full)
-            flat_out, out_tree = jax.tree.flatten(fun(*a, **k))
-            out_trees.append(out_tree)
-            return flat_out
-
-        closed = jax.make_jaxpr(flat_fun)(*dynamic)
+        closed, arrays, out_tree = trace(fun, args, kwargs)
         autocaster = Autocaster(policy, table, multiple)
 
         def run(*dyn):
@@ -182,8 +117,8 @@ def autocast(
             cast(v, output_dtype)
             if is_float(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
             else v
-            for v, var in zip(run(*dynamic), closed.jaxpr.outvars, strict=True)
+            for v, var in zip(run(*arrays), closed.jaxpr.outvars, strict=True)
         ]
-        return jax.tree.unflatten(out_trees[-1], flat)
+        return jax.tree.unflatten(out_tree, flat)
 
     return autocast_fun

@@ -1,5 +1,8 @@
-"""The Autocaster: evaluates a jaxpr under a policy and a rule table.
+"""The Autocaster (evaluates a jaxpr under a policy and a dispatch table) and the
+first-order rules: one function per rule kind of ``AUTOCAST_RULES``.
 
+A rule is ``rule(autocaster, eqn, ins) -> outs`` on ``(value, role)`` pairs; the
+higher-order rules (``_control_flow``, ``_scatter``) have the same signature.
 See README.md in this folder for the roles of values (PLAIN, ACTIVATION, PINNED)
 and how each rule kind treats them.
 """
@@ -15,7 +18,6 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from jaxamp._autocast._control_flow import HANDLERS
 from jaxamp._autocast._matmul import padded, run_matmul
 from jaxamp._autocast._values import (
     ACTIVATION,
@@ -31,22 +33,34 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._policy import Policy
 
-__all__ = ["Autocaster", "UnknownPrimitiveWarning", "unknown_higher_order_message"]
+__all__ = [
+    "KIND_RULES",
+    "Autocaster",
+    "Rule",
+    "UnknownPrimitiveWarning",
+    "custom_rule",
+    "unknown_higher_order_message",
+]
 
 _F32 = np.dtype(np.float32)
 
 
-class Autocaster:
-    """Evaluates jaxprs under a policy and a rule table (one per autocast call).
+# A rule: ``rule(autocaster, eqn, ins) -> outs`` on ``(value, role)`` pairs.
+Rule = Callable[["Autocaster", jex.JaxprEqn, list], list]
 
-    Custom rules receive it as their first argument: ``policy``, ``compute_dtype``
-    and ``bind(eqn, *args)`` (run an equation as written) are public.
+
+class Autocaster:
+    """Evaluates jaxprs under a policy and a dispatch table (one per autocast call).
+
+    ``table`` maps primitive names to rules (``_dispatch.rule_table``); a
+    primitive it does not list follows, or, when it holds jaxprs, runs as
+    traced with a warning.
     """
 
-    def __init__(self, policy: Policy, rules: Mapping[str, Any], pad_to: int | None):
+    def __init__(self, policy: Policy, table: Mapping[str, Rule], pad_to: int | None):
         self.policy = policy
         self.compute_dtype = np.dtype(policy.compute_dtype)
-        self.rules = rules
+        self.table = table
         self.pad_to = pad_to
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
         self._wide_powers: dict[int, tuple[Any, set[int]]] = {}
@@ -74,7 +88,28 @@ class Autocaster:
             self._wide_powers[key] = (closed.jaxpr, feeds_reduction(closed.jaxpr))
         return eval_jaxpr(closed, args, self._apply, lift=_plain)
 
-    def _breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
+    def _apply(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+        rule = self.table.get(eqn.primitive.name) or _unlisted(eqn)
+        return rule(self, eqn, ins)
+
+    def follow_values(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> tuple[list, int]:
+        """The operands of a "follow" equation brought to one dtype, and its role.
+
+        A plain operand (a parameter or constant) narrowed to an activation's
+        dtype saturates: a finite value stays finite.
+        """
+        values = [v for v, _ in ins]
+        for idxs in _groups(eqn, ins).values():
+            pinned = [ins[i][0].dtype for i in idxs if ins[i][1] == PINNED]
+            active = [ins[i][0].dtype for i in idxs if ins[i][1] == ACTIVATION]
+            if pinned or active:
+                target = promote(pinned + active)
+                for i in idxs:
+                    to = saturating_cast if ins[i][1] == PLAIN else cast
+                    values[i] = to(values[i], target)
+        return values, max((r for v, r in ins if is_float(v)), default=PLAIN)
+
+    def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
         """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
         roles = [r for v, r in ins if is_float(v)]
         if PINNED in roles or ACTIVATION not in roles:
@@ -96,113 +131,11 @@ class Autocaster:
             )
         return False
 
-    def _apply(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        name = eqn.primitive.name
-        rule = self.rules.get(name)
-        if rule is None:
-            rule = "follow"
-            if compat.eqn_has_subjaxprs(eqn):
-                warnings.warn(unknown_higher_order_message(name), UnknownPrimitiveWarning, 2)
-                rule = "keep"
-        if callable(rule):
-            return self._custom(rule, eqn, ins)
-        if rule == "recurse":
-            return HANDLERS[name](self, eqn, ins)
-        if rule == "follow" and name == "convert_element_type":
-            return self._convert(eqn, ins)
-        if rule == "follow" and self._breaks_in_compute_dtype(eqn, ins):
-            return self._float32(eqn, ins)
-        return _FIRST_ORDER[rule](self, eqn, ins)
+    def role_of_cast(self, dtype: np.dtype) -> int:
+        """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
+        return ACTIVATION if dtype == self.compute_dtype else PINNED
 
-    # -- first-order rules ----------------------------------------------------------
-
-    def _groups(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> dict[np.dtype, list[int]]:
-        # Operands traced with the same dtype must again share one dtype.
-        groups: dict[np.dtype, list[int]] = {}
-        for i, (atom, (value, _)) in enumerate(zip(eqn.invars, ins, strict=True)):
-            if is_float(value):
-                groups.setdefault(np.dtype(atom.aval.dtype), []).append(i)
-        return groups
-
-    def follow_values(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> tuple[list, int]:
-        """The operands of a "follow" equation brought to one dtype, and its role.
-
-        A plain operand (a parameter or constant) narrowed to an activation's
-        dtype saturates: a finite value stays finite.
-        """
-        values = [v for v, _ in ins]
-        for idxs in self._groups(eqn, ins).values():
-            pinned = [ins[i][0].dtype for i in idxs if ins[i][1] == PINNED]
-            active = [ins[i][0].dtype for i in idxs if ins[i][1] == ACTIVATION]
-            if pinned or active:
-                target = promote(pinned + active)
-                for i in idxs:
-                    to = saturating_cast if ins[i][1] == PLAIN else cast
-                    values[i] = to(values[i], target)
-        return values, max((r for v, r in ins if is_float(v)), default=PLAIN)
-
-    def _follow(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        values, role = self.follow_values(eqn, ins)
-        return [(o, role if is_float(o) else PLAIN) for o in compat.bind_eqn(eqn, values)]
-
-    def _float32(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        values = [v for v, _ in ins]
-        for idxs in self._groups(eqn, ins).values():
-            target = promote([_F32] + [ins[i][0].dtype for i in idxs])
-            for i in idxs:
-                values[i] = cast(values[i], target)
-        touched = any(r != PLAIN for v, r in ins if is_float(v))
-        outs = compat.bind_eqn(eqn, values)
-        return [
-            (o, PINNED if is_float(o) and (touched or o.dtype != var.aval.dtype) else PLAIN)
-            for o, var in zip(outs, eqn.outvars, strict=True)
-        ]
-
-    def _keep(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        values = [
-            cast(v, np.dtype(atom.aval.dtype)) if is_float(v) else v
-            for atom, (v, _) in zip(eqn.invars, ins, strict=True)
-        ]
-        return [(o, PLAIN) for o in compat.bind_eqn(eqn, values)]
-
-    def _convert(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        ((value, role),) = ins
-        (out,) = compat.bind_eqn(eqn, [value])
-        if not is_float(out) or not is_float(value) or role == PLAIN:
-            return [(out, PLAIN)]
-        # An explicit cast of an autocast value: respected, and it decides the role.
-        return [(out, ACTIVATION if out.dtype == self.compute_dtype else PINNED)]
-
-    def _compute(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        (lhs, _), (rhs, _), *rest = ins
-        if not (is_float(lhs) and is_float(rhs)):
-            return self._follow(eqn, ins)
-        lhs, rhs = cast(lhs, self.compute_dtype), cast(rhs, self.compute_dtype)
-        unpad = None
-        if self.pad_to is not None:
-            lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, self.pad_to)
-        extra = [v for v, _ in rest]
-        out = run_matmul(
-            eqn, lhs, rhs, *extra, dtype=self.compute_dtype, transposable=self.transposable
-        )
-        if unpad is not None:
-            out = unpad(out)
-        return [(out, ACTIVATION)]
-
-    def _custom(self, rule: Callable, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        outs = list(rule(self, eqn, *[v for v, _ in ins]))
-        in_role = max((r for v, r in ins if is_float(v)), default=PLAIN)
-        roles = []
-        for out, var in zip(outs, eqn.outvars, strict=True):
-            if not is_float(out):
-                roles.append(PLAIN)
-            elif out.dtype == var.aval.dtype:
-                roles.append(in_role)
-            else:
-                roles.append(ACTIVATION if out.dtype == self.compute_dtype else PINNED)
-        return list(zip(outs, roles, strict=True))
-
-    # -- helpers for the higher-order handlers -------------------------------------
+    # -- helpers for the higher-order rules ---------------------------------------
 
     def function_of(self, closed: jex.ClosedJaxpr, prefix: Sequence[tuple], roles, box: list):
         """A plain function of the non-prefix inputs that evaluates ``closed``.
@@ -226,12 +159,127 @@ class Autocaster:
         return [(np.dtype(s.dtype), r) for s, r in zip(shapes, box, strict=True)]
 
 
-def _plain(value: Any) -> tuple:
-    return value, PLAIN
-
-
 def _wider(value: Any, dtype: np.dtype) -> bool:
     return np.dtype(value.dtype).itemsize > dtype.itemsize
+
+
+def _groups(eqn: jex.JaxprEqn, ins: list[tuple]) -> dict[np.dtype, list[int]]:
+    # Operands traced with the same dtype must again share one dtype.
+    groups: dict[np.dtype, list[int]] = {}
+    for i, (atom, (value, _)) in enumerate(zip(eqn.invars, ins, strict=True)):
+        if is_float(value):
+            groups.setdefault(np.dtype(atom.aval.dtype), []).append(i)
+    return groups
+
+
+# -- the first-order rules: the kinds of AUTOCAST_RULES ------------------------------
+
+
+def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+    """Operands to a common dtype by role; the outputs take the highest role.
+
+    An output in a dtype none of the operands has (a ``convert_element_type``
+    of an autocast value) was cast on purpose: the cast is kept, and its target
+    decides the role.
+    """
+    if ac.breaks_in_compute_dtype(eqn, ins):
+        return float32(ac, eqn, ins)
+    values, role = ac.follow_values(eqn, ins)
+    operand_dtypes = {v.dtype for v in values if is_float(v)}
+    outs = []
+    for out in compat.bind_eqn(eqn, values):
+        if not is_float(out) or role == PLAIN:
+            outs.append((out, PLAIN))
+        elif out.dtype in operand_dtypes:
+            outs.append((out, role))
+        else:
+            outs.append((out, ac.role_of_cast(out.dtype)))
+    return outs
+
+
+def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+    """Floating operands to (at least) float32; a result that was touched is PINNED."""
+    values = [v for v, _ in ins]
+    for idxs in _groups(eqn, ins).values():
+        target = promote([_F32] + [ins[i][0].dtype for i in idxs])
+        for i in idxs:
+            values[i] = cast(values[i], target)
+    touched = any(r != PLAIN for v, r in ins if is_float(v))
+    outs = compat.bind_eqn(eqn, values)
+    return [
+        (o, PINNED if is_float(o) and (touched or o.dtype != var.aval.dtype) else PLAIN)
+        for o, var in zip(outs, eqn.outvars, strict=True)
+    ]
+
+
+def keep(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+    """Operands back to their traced dtypes; the equation runs as traced."""
+    values = [
+        cast(v, np.dtype(atom.aval.dtype)) if is_float(v) else v
+        for atom, (v, _) in zip(eqn.invars, ins, strict=True)
+    ]
+    return [(o, PLAIN) for o in compat.bind_eqn(eqn, values)]
+
+
+def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+    """A contraction on compute-dtype factors with float32 accumulation (``_matmul``)."""
+    (lhs, _), (rhs, _), *rest = ins
+    if not (is_float(lhs) and is_float(rhs)):
+        return follow(ac, eqn, ins)
+    lhs, rhs = cast(lhs, ac.compute_dtype), cast(rhs, ac.compute_dtype)
+    unpad = None
+    if ac.pad_to is not None:
+        lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)
+    extra = [v for v, _ in rest]
+    out = run_matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype, transposable=ac.transposable)
+    if unpad is not None:
+        out = unpad(out)
+    return [(out, ACTIVATION)]
+
+
+# Rule kind of AUTOCAST_RULES -> rule, for the first-order kinds ("recurse" names a
+# rule of its own per primitive: _control_flow.HIGHER_ORDER_RULES).
+KIND_RULES: dict[str, Rule] = {
+    "compute": compute,
+    "float32": float32,
+    "follow": follow,
+    "keep": keep,
+}
+
+
+def custom_rule(fn: Callable) -> Rule:
+    """The rule that runs a user's callable ``fn(autocaster, eqn, *values)``.
+
+    Outputs in their traced dtype take the operands' role; others were moved on
+    purpose, and their dtype decides.
+    """
+
+    def rule(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+        outs = list(fn(ac, eqn, *[v for v, _ in ins]))
+        in_role = max((r for v, r in ins if is_float(v)), default=PLAIN)
+        roles = []
+        for out, var in zip(outs, eqn.outvars, strict=True):
+            if not is_float(out):
+                roles.append(PLAIN)
+            elif out.dtype == var.aval.dtype:
+                roles.append(in_role)
+            else:
+                roles.append(ac.role_of_cast(out.dtype))
+        return list(zip(outs, roles, strict=True))
+
+    return rule
+
+
+def _unlisted(eqn: jex.JaxprEqn) -> Rule:
+    # First-order primitives follow; higher-order ones run as traced, with a warning.
+    if not compat.eqn_has_subjaxprs(eqn):
+        return follow
+    warnings.warn(unknown_higher_order_message(eqn.primitive.name), UnknownPrimitiveWarning, 3)
+    return keep
+
+
+def _plain(value: Any) -> tuple:
+    return value, PLAIN
 
 
 class UnknownPrimitiveWarning(UserWarning):
@@ -247,12 +295,3 @@ def unknown_higher_order_message(name: str) -> str:
         f"rules={{{name!r}: 'keep'}}); to rewrite it, pass a callable "
         "rule(autocaster, eqn, *args) -> list of outputs."
     )
-
-
-# Rule kind -> method: the dispatch for first-order rules ("recurse" goes to HANDLERS).
-_FIRST_ORDER = {
-    "follow": Autocaster._follow,
-    "float32": Autocaster._float32,
-    "keep": Autocaster._keep,
-    "compute": Autocaster._compute,
-}

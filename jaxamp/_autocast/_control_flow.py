@@ -1,4 +1,4 @@
-"""autocast's handlers for higher-order primitives: jit, custom_jvp, scan, while, cond, remat,
+"""autocast's rules for higher-order primitives: jit, custom_jvp, scan, while, cond, remat,
 shard_map (and, from ``_scatter``, the scatter family).
 
 Each rebuilds the primitive with JAX's public API (``jax.jit``, ``jax.custom_jvp``,
@@ -18,12 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast._scatter import SCATTER_HANDLERS
+from jaxamp._autocast._scatter import SCATTER_RULES
 from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, is_float, promote
 from jaxamp._autocast._wide import accumulator_carries
 from jaxamp._engine import _compat as compat
 
-__all__ = ["HANDLERS"]
+__all__ = ["CARRY_TYPE_ROUNDS", "HIGHER_ORDER_RULES"]
+
+# How often a loop body is traced abstractly to find the (dtype, role) of its
+# carries. It terminates: ``_join`` only moves a carry up a finite order (its
+# role only rises, PLAIN -> ACTIVATION -> PINNED, and once above PLAIN its dtype
+# only promotes), and a round that moves nothing ends the search. The bound caps the tracing cost of
+# long dependency chains between carries; if it is reached first, the carries
+# are still cast to the last types found, so the loop stays well-typed.
+CARRY_TYPE_ROUNDS = 4
 
 
 def _split(ins: Sequence[tuple]) -> tuple[list, list]:
@@ -113,7 +121,7 @@ def _fixpoint(ac, closed, prefix, init, extra_types, n_carry) -> list[tuple]:
         (np.dtype(var.aval.dtype), PINNED) if f else t
         for f, t, var in zip(fixed, types, traced, strict=True)
     ]
-    for _ in range(4):
+    for _ in range(CARRY_TYPE_ROUNDS):
         avals = [
             (aval(v, dt), r) for (v, _), (dt, r) in zip(init, types, strict=True)
         ] + extra_types
@@ -238,14 +246,16 @@ def _handle_shard_map(ac, eqn, ins):
     return list(zip(outs, box, strict=True))
 
 
-HANDLERS = {
-    "jit": _handle_jit,
+# Primitive name -> rule, for the primitives AUTOCAST_RULES names "recurse" (and
+# the call primitives of every supported JAX, which a user may name "recurse").
+HIGHER_ORDER_RULES = {
+    **dict.fromkeys(compat.JIT_NAMES, _handle_jit),
     **dict.fromkeys(compat.CALL_NAMES, _handle_call),
-    "remat2": _handle_remat,
+    **dict.fromkeys(compat.REMAT_NAMES, _handle_remat),
     "custom_jvp_call": _handle_custom_jvp,
     "scan": _handle_scan,
     "while": _handle_while,
     "cond": _handle_cond,
     "shard_map": _handle_shard_map,
-    **SCATTER_HANDLERS,
+    **SCATTER_RULES,
 }

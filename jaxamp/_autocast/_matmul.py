@@ -61,8 +61,8 @@ def _pinned(prim: jex.Primitive, params: dict, x, w, *extra):
     bf16 x bf16 -> f32 and fails at run time. The canonical layout plus an
     optimization barrier on the operands leaves the dot exactly as emitted, so
     the decision stays right: fast where YNNPACK runs it, float32 (the same
-    products, exact in float32) elsewhere. tests/test_autocast_cpu_dots.py holds
-    the forms that used to fail; BENCHMARKS.md the speed.
+    products, exact in float32) elsewhere. tests/integration/test_autocast_cpu_dots.py
+    holds the forms that used to fail; BENCHMARKS.md the speed.
     """
     if prim.name == "dot_general":
         params, x, w = _canonical_dot(params, x, w)

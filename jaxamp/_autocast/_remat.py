@@ -2,7 +2,7 @@
 
 Under autocast the float32 operations (softmax, normalisation statistics, the
 loss) produce float32 intermediates, and reverse-mode AD saves them for the
-backward pass: on the GPT of ``benchmarks/activation_memory`` a third of the
+backward pass: on the GPT of ``benchmarks/activation_memory.py`` a third of the
 residual bytes. With this ``jax.checkpoint`` policy only values that are not
 float32 (or wider) are saved; the float32 ones are recomputed in the backward
 pass from the saved 16-bit values, which is cheap elementwise and reduction work.

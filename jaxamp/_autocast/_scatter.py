@@ -1,4 +1,4 @@
-"""autocast's handlers for the scatter family (``x.at[i].add``, ``segment_sum``, ...).
+"""autocast's rules for the scatter family (``x.at[i].add``, ``segment_sum``, ...).
 
 A scatter holds a typed combiner jaxpr (``add`` for scatter-add on scalars of the
 traced dtype), so it cannot be re-bound with operands of another dtype. Its
@@ -14,7 +14,7 @@ import jax
 from jaxamp._autocast._values import PLAIN, is_float
 from jaxamp._engine import _compat as compat
 
-__all__ = ["SCATTER_HANDLERS"]
+__all__ = ["SCATTER_RULES"]
 
 _SCATTERS = {
     "scatter": jax.lax.scatter,
@@ -41,4 +41,4 @@ def _handle_scatter(ac, eqn, ins):
     return [(out, role if is_float(out) else PLAIN)]
 
 
-SCATTER_HANDLERS = dict.fromkeys(_SCATTERS, _handle_scatter)
+SCATTER_RULES = dict.fromkeys(_SCATTERS, _handle_scatter)

@@ -20,7 +20,11 @@ import numpy as np
 
 __all__ = [
     "CALL_NAMES",
+    "CUSTOM_CALL_NAMES",
     "HI_PRIMITIVE_NAMES",
+    "INLINE_NAMES",
+    "JIT_NAMES",
+    "REMAT_NAMES",
     "VERSION_SPECIFIC_PRIMITIVES",
     "CondParts",
     "CustomJvpParts",
@@ -40,6 +44,7 @@ __all__ = [
     "equation_context",
     "float0_zeros",
     "hi_primitive_expansion",
+    "inline_body",
     "is_float0",
     "jit_parts",
     "literal_value",
@@ -78,6 +83,9 @@ HI_PRIMITIVE_NAMES = ("call_hi_primitive",)
 # custom_jvp / custom_vjp calls: the primal function is ``call_jaxpr``, taking
 # all the equation's operands.
 CUSTOM_CALL_NAMES = ("custom_jvp_call", "custom_vjp_call")
+# Call-like primitives: each runs one body once on its own operands and returns
+# the body's outputs, so a tool may evaluate the body in place (``inline_body``).
+INLINE_NAMES = JIT_NAMES + CALL_NAMES + REMAT_NAMES + CUSTOM_CALL_NAMES
 
 
 def bind_eqn(eqn: jex.JaxprEqn, args: Sequence[Any]) -> list[Any]:
@@ -226,6 +234,24 @@ def custom_call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
     """The primal function of a custom_jvp/custom_vjp call (its operands are the eqn's)."""
     p = eqn.params
     return as_closed(p["call_jaxpr"])
+
+
+def inline_body(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    """The body of a call-like equation (a primitive in ``INLINE_NAMES``).
+
+    It takes the equation's operands and returns its outputs (for custom_jvp and
+    custom_vjp: the primal function; their derivative rules are not part of it).
+    """
+    name = eqn.primitive.name
+    if name in JIT_NAMES:
+        return jit_parts(eqn).jaxpr
+    if name in CALL_NAMES:
+        return call_jaxpr(eqn)
+    if name in REMAT_NAMES:
+        return remat_parts(eqn).jaxpr
+    if name in CUSTOM_CALL_NAMES:
+        return custom_call_jaxpr(eqn)
+    raise ValueError(f"{name!r} is not a call-like primitive ({', '.join(INLINE_NAMES)}).")
 
 
 def source_frames(eqn: jex.JaxprEqn) -> list[tuple[str, int]]:

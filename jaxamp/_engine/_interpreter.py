@@ -1,11 +1,10 @@
-"""The one jaxpr evaluation loop and the one jaxpr walk of jaxamp.
+"""The one jaxpr evaluation loop of jaxamp.
 
 ``eval_jaxpr`` re-runs a closed jaxpr equation by equation under the caller's
-trace, handing each equation to an ``apply`` callback (autocast's rules, the
-float32-accumulating backward pass of a matmul, the numerics report's
-instruments). ``walk`` visits every equation without running anything,
-recursing into the jaxprs that higher-order primitives hold (``precision_report``
-and the rule-table checks use it).
+trace, handing each equation to an ``apply`` callback: a tool's dispatch into
+its rule table (autocast's rules, the numerics report's instruments) or a plain
+function (the float32-accumulating backward pass of a matmul). Sub-jaxprs are
+entered by the rules themselves, through ``_visit``.
 
 Values in the environment are whatever the caller uses (plain arrays, or
 ``(value, role)`` pairs for autocast): ``lift`` turns a constant or a literal
@@ -14,7 +13,7 @@ into one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.extend.core as jex
@@ -22,7 +21,7 @@ import numpy as np
 
 from jaxamp._engine import _compat as compat
 
-__all__ = ["eval_jaxpr", "walk"]
+__all__ = ["Apply", "eval_jaxpr"]
 
 Apply = Callable[[jex.JaxprEqn, list[Any]], Sequence[Any]]
 
@@ -64,16 +63,3 @@ def eval_jaxpr(
             if not isinstance(var, jex.DropVar):
                 env[var] = out
     return [read(atom) for atom in jaxpr.outvars]
-
-
-def walk(jaxpr: jex.Jaxpr, count: int = 1) -> Iterator[tuple[jex.JaxprEqn, int]]:
-    """Yields ``(eqn, times it runs)`` for every equation, sub-jaxprs included.
-
-    Equations in a scan body run ``length`` times per scan; a while body is
-    counted once (its trip count is not known statically).
-    """
-    for eqn in jaxpr.eqns:
-        yield eqn, count
-        inner = count * compat.scan_parts(eqn).length if eqn.primitive.name == "scan" else count
-        for sub in compat.sub_closed_jaxprs(eqn):
-            yield from walk(sub.jaxpr, inner)

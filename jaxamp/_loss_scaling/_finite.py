@@ -6,8 +6,8 @@ grows with them. So leaves under 2**16 elements are flattened and concatenated,
 per dtype, into a few groups, each checked by one ``isfinite``-and-reduce.
 Larger leaves get a reduction of their own: a concatenation copies its operands
 (XLA:CPU with a slow elemental loop), which costs more at run time than a
-reduction in place. The measurements: BENCHMARKS.md, "The finite check: small
-leaves concatenated, large ones in place".
+reduction in place. The measurements: BENCHMARKS.md, "Why the numbers are what
+they are" (the finite check).
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ def all_finite(tree: Any) -> jax.Array:
 
 # Leaves this large are checked on their own: below it a reduction per leaf costs
 # more compile time than the concatenation saves at run time, above it the copy
-# costs more (BENCHMARKS.md, "The finite check: small leaves concatenated, large
-# ones in place").
+# costs more (BENCHMARKS.md, "Why the numbers are what they are").
 _OWN_REDUCTION_ELEMENTS = 1 << 16
 
 # Elements per concatenated group: a concatenation is a copy (XLA:CPU does not
@@ -128,7 +127,7 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
 
     ``lax.select_n`` with the scalar predicate, not ``jnp.where``: ``jnp.where`` is
     a nested jit per call, and with one per leaf XLA's call inliner and call-graph
-    passes (and the lowering) grew with the leaf count (BENCHMARKS.md, "Compile time:
-    distinct kernels, and a select per leaf").
+    passes (and the lowering) grew with the leaf count (BENCHMARKS.md, "Why the
+    numbers are what they are").
     """
     return jax.lax.select_n(pred, jnp.asarray(on_false), jnp.asarray(on_true))

@@ -72,7 +72,7 @@ class _Scaling:
         leaf keeps its dtype. For the power-of-two scales of DynamicLossScale this
         is exact; unlike a division, XLA can fuse the multiply into every consumer
         of a gradient instead of keeping an extra buffer per leaf (BENCHMARKS.md,
-        "Compile time: distinct kernels, and a select per leaf").
+        "Why the numbers are what they are").
         """
         reciprocal = 1 / self.loss_scale  # once, not once per leaf
         return jax.tree.map(lambda x: _multiply(x, reciprocal), tree)

@@ -228,8 +228,8 @@ def raw_grads_checkable(loss_scale: Any, grad_reduction: str | None) -> bool:
 
     Checking the raw grads lets the unscaling multiply fuse into the optimizer's
     kernels instead of being kept as one buffer per leaf for the check (fewer
-    kernels to compile and run; BENCHMARKS.md, "Compile time: distinct kernels,
-    and a select per leaf"). Unscaling
+    kernels to compile and run; BENCHMARKS.md, "Why the numbers are what they
+    are"). Unscaling
     multiplies by ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``: a finite
     ``g`` stays finite (``|g * r| <= |g|``, also after rounding back to a 16-bit
     dtype) and inf or NaN stays non-finite (``inf * r`` is inf, or NaN if ``r``
@@ -268,8 +268,8 @@ def _masked_update(
     For steps that usually apply (skips are rare overflows): computing the update
     and selecting leaf by leaf compiles faster than ``lax.cond`` with many leaves,
     needs less temporary memory, and a GPU conditional reads its predicate back to
-    the host every step where a select does not (BENCHMARKS.md, "Compile time:
-    distinct kernels, and a select per leaf").
+    the host every step where a select does not (BENCHMARKS.md, "Why the numbers
+    are what they are").
     """
     new_updates, new_inner_state = inner.update(grads, inner_state, params, **extra_args)
     zeros = jax.tree.map(jnp.zeros_like, new_updates)

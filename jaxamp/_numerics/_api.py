@@ -12,14 +12,14 @@ import numpy as np
 
 from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
+from jaxamp._checks import check_callable
+from jaxamp._engine._trace import flatten_call, is_array
 from jaxamp._numerics._instrument import NEVER, instrumented
 from jaxamp._numerics._sites import Site, catalog
 from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
 from jaxamp._policy import get_policy
 
 __all__ = ["numerics_report", "prepare"]
-
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 def numerics_report(
@@ -79,21 +79,11 @@ def prepare(fun, args, kwargs, policy, grad, loss_scale) -> tuple[Callable, list
     times against a plain ``value_and_grad``); ``finish`` turns its statistics
     (host arrays) into a :class:`NumericsReport`.
     """
-    if not callable(fun):
-        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}.")
+    check_callable(fun)
     scale = _check_loss_scale(loss_scale, grad)
     if policy is not None:
         fun = autocast(fun, get_policy(policy))
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    is_dynamic = [isinstance(leaf, _ARRAY_TYPES) for leaf in leaves]
-    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]
-
-    def call(*dyn):
-        it = iter(dyn)
-        full = [next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)]
-        a, k = jax.tree.unflatten(treedef, full)
-        return fun(*a, **k)
-
+    call, dynamic = flatten_call(fun, args, kwargs)
     if grad:
         program, inputs = _gradient_program(call, args, dynamic, scale)
     else:
@@ -131,7 +121,7 @@ def _check_loss_scale(loss_scale: Any, grad: bool) -> float:
 
 def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
     """``program(*dynamic, seed)``: the loss and its gradient wrt the first argument."""
-    n_first = sum(isinstance(x, _ARRAY_TYPES) for x in jax.tree.leaves(args[:1]))
+    n_first = sum(map(is_array, jax.tree.leaves(args[:1])))
     wrt = [i for i in range(n_first) if is_floating(dynamic[i])]
     if not args or not wrt:
         got = _describe(args[0]) if args else "no arguments"

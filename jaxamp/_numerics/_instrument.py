@@ -27,8 +27,9 @@ import numpy as np
 from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
+from jaxamp._engine._visit import structured_rules, sub_path
 from jaxamp._numerics._shadow import Val, materialize, shadow_outputs
-from jaxamp._numerics._sites import INLINE, Site, inline_jaxpr, structure_of
+from jaxamp._numerics._sites import Site, site_key
 
 __all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
 
@@ -180,13 +181,8 @@ class Recorder:
         return eval_jaxpr(closed, args, apply, lift=_lift)
 
     def equation(self, eqn, ins, path, index) -> list[Val]:
-        kind = structure_of(eqn)
-        sub_path = (*path, (index, 0))
-        if kind == INLINE:
-            return self.run(inline_jaxpr(eqn), ins, sub_path)
-        if kind in _HANDLERS:
-            return _HANDLERS[kind](self, eqn, ins, path, index)
-        return self.measure(eqn, ins, path, index)
+        rule = _RULES.get(eqn.primitive.name, Recorder.measure)
+        return rule(self, eqn, ins, path, index)
 
     def measure(self, eqn, ins: Sequence[Val], path, index) -> list[Val]:
         inputs_finite = _and_all([v.finite for v in ins])
@@ -196,8 +192,10 @@ class Recorder:
         shadows = shadow_outputs(eqn, ins, outs)
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
-            key = (path, index, k)
+            key = site_key(path, index, k)
             if key not in self.sites:
+                if is_floating(out):
+                    raise _unmeasured(eqn, key)
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
             stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow)
@@ -222,6 +220,20 @@ class Recorder:
         )
 
 
+def _unmeasured(eqn, key) -> RuntimeError:
+    # The catalog and the evaluation disagree on where this output is: a bug of
+    # jaxamp's, said at once rather than leaving the site unmeasured.
+    return RuntimeError(
+        f"numerics_report: the floating output {key} of {eqn.primitive.name!r} has no "
+        "site in the catalog; the catalog and the instrumented evaluation enter "
+        "sub-jaxprs differently. Please report this as a jaxamp bug."
+    )
+
+
+def _run_inline(rec: Recorder, eqn, ins, path, index):
+    return rec.run(compat.inline_body(eqn), ins, sub_path(path, index))
+
+
 def _vals(values: Sequence[Any], shadows: Sequence[Any]) -> list[Val]:
     return [Val(v, all_finite_flag(v), s) for v, s in zip(values, shadows, strict=True)]
 
@@ -236,8 +248,8 @@ def _shadows(vals: Sequence[Val]) -> list[Any]:
 
 def _handle_scan(rec: Recorder, eqn, ins, path, index):
     p = compat.scan_parts(eqn)
-    sub_path = (*path, (index, 0))
-    keys = rec.keys_under(sub_path)
+    body_path = sub_path(path, index)
+    keys = rec.keys_under(body_path)
     consts = ins[: p.num_consts]
     init = ins[p.num_consts : p.num_consts + p.num_carry]
 
@@ -245,7 +257,7 @@ def _handle_scan(rec: Recorder, eqn, ins, path, index):
         values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
         args = [*consts, *_vals(values, shadows), *_vals(*xs)]
-        outs = sub.run(p.jaxpr, args, sub_path)
+        outs = sub.run(p.jaxpr, args, body_path)
         carried, ys = outs[: p.num_carry], outs[p.num_carry :]
         new = (_values(carried), _shadows(carried), sub.pack(keys), sub.clock, iteration + 1)
         return new, (_values(ys), _shadows(ys))
@@ -267,8 +279,8 @@ def _handle_scan(rec: Recorder, eqn, ins, path, index):
 
 def _handle_while(rec: Recorder, eqn, ins, path, index):
     p = compat.while_parts(eqn)
-    sub_path = (*path, (index, 0))
-    keys = rec.keys_under(sub_path)
+    body_path = sub_path(path, index)
+    keys = rec.keys_under(body_path)
     cond_consts = _values(ins[: p.cond_nconsts])
     body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
     init = ins[p.cond_nconsts + p.body_nconsts :]
@@ -280,7 +292,7 @@ def _handle_while(rec: Recorder, eqn, ins, path, index):
     def body_fun(carry):
         values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
-        outs = sub.run(p.body_jaxpr, [*body_consts, *_vals(values, shadows)], sub_path)
+        outs = sub.run(p.body_jaxpr, [*body_consts, *_vals(values, shadows)], body_path)
         return _values(outs), _shadows(outs), sub.pack(keys), sub.clock, iteration + 1
 
     carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
@@ -292,13 +304,13 @@ def _handle_while(rec: Recorder, eqn, ins, path, index):
 
 def _handle_cond(rec: Recorder, eqn, ins, path, index):
     branches = compat.cond_parts(eqn).branches
-    keys = [key for b in range(len(branches)) for key in rec.keys_under((*path, (index, b)))]
+    keys = [key for b in range(len(branches)) for key in rec.keys_under(sub_path(path, index, b))]
 
     def make(b, branch):
         def fun(packed, clock, values, flags, shadows):
             sub = rec.child(keys, packed, clock, rec.iteration)
             args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
-            outs = sub.run(branch, args, (*path, (index, b)))
+            outs = sub.run(branch, args, sub_path(path, index, b))
             flags = [v.finite for v in outs]
             return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
 
@@ -319,11 +331,11 @@ def _handle_cond(rec: Recorder, eqn, ins, path, index):
     return [Val(*v) for v in zip(values, flags, shadows, strict=True)]
 
 
-_HANDLERS: dict[str, Callable] = {
-    "scan": _handle_scan,
-    "while": _handle_while,
-    "cond": _handle_cond,
-}
+# Primitive name -> rule for the equations whose sub-jaxprs are measured inside;
+# every other equation is measured as one op (``Recorder.measure``).
+_RULES: dict[str, Callable] = structured_rules(
+    inline=_run_inline, scan=_handle_scan, while_=_handle_while, cond=_handle_cond
+)
 
 
 def instrumented(closed, sites: Sequence[Site]) -> Callable:
@@ -334,6 +346,13 @@ def instrumented(closed, sites: Sequence[Site]) -> Callable:
     def run(*args):
         rec = Recorder(by_key, {}, jnp.int32(0), jnp.int32(-1))
         rec.run(closed, _vals(args, [None] * len(args)), ())
+        missing = [key for key in keys if key not in rec.stats]
+        if missing:
+            raise RuntimeError(
+                f"numerics_report: the evaluation never reached the sites {missing}; the "
+                "catalog and the instrumented evaluation disagree. Please report this as "
+                "a jaxamp bug."
+            )
         return rec.pack(keys)
 
     return jax.jit(run)

@@ -1,11 +1,12 @@
 """The static half of the numerics report: which outputs are measured, where, in which phase.
 
-``catalog`` walks the traced program once, before anything runs, in the same
-structure the instrumented evaluation uses (``structure_of``), and lists one
-``Site`` per floating output of every first-order equation. A site's key is its
-position: the path of ``(equation index, sub-jaxpr number)`` pairs that leads to
-its equation, then the equation index and output index, so an inner jaxpr that
-two call sites share still gives two sites.
+``catalog`` walks the traced program once, before anything runs, entering the
+same sub-jaxprs as the instrumented evaluation (both tables come from
+``_engine._visit.structured_rules``), and lists one ``Site`` per floating output
+of every other equation. A site's key is its position (``site_key``): the path
+of ``(equation index, sub-jaxpr number)`` pairs that leads to its jaxpr
+(``_engine._visit.sub_path``), then the equation index and output index, so an
+inner jaxpr that two call sites share still gives two sites.
 
 The phase comes from data flow, not from names. An equation is ``"forward"`` when
 the program's primal outputs (the loss) depend on it, and ``"backward"`` otherwise:
@@ -31,13 +32,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._engine import _compat as compat
+from jaxamp._engine._visit import structured_rules, sub_path
 
-__all__ = ["INLINE", "Site", "catalog", "inline_jaxpr", "structure_of", "user_source"]
+__all__ = ["TAINT_ROUNDS", "Site", "catalog", "site_key", "user_source"]
 
-# Kinds of higher-order equation the evaluation recurses into. Everything else is
-# run as written and measured as one opaque equation.
-INLINE = "inline"
-_FIXPOINT_ROUNDS = 8
+# How often a loop body is visited to find which carries depend on the seed. It
+# terminates: a carry's flag only goes from False to True (``_carry_fixpoint``
+# ors the update into it), so each round either flips one of the finitely many
+# flags or changes nothing and ends the search. The bound caps the work for
+# loops with long chains of carries feeding each other.
+TAINT_ROUNDS = 8
+
+
+def site_key(path: tuple, index: int, output: int) -> tuple:
+    """The key of a site: output ``output`` of equation ``index`` of the jaxpr at ``path``.
+
+    ``path`` is built by ``_engine._visit.sub_path``; the catalog and the
+    instrumented evaluation both key sites with this function.
+    """
+    return (path, index, output)
 
 
 class Site(NamedTuple):
@@ -51,25 +64,6 @@ class Site(NamedTuple):
     dtype: np.dtype
     shape: tuple[int, ...]
     in_loop: bool
-
-
-def inline_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
-    """The body of a call-like equation (jit, call, remat, custom_jvp/vjp), else None.
-
-    These run their body once on their own operands, so the report evaluates the
-    body in place (the gradient is already in the traced program, so a custom
-    rule's primal function is all that runs).
-    """
-    name = eqn.primitive.name
-    if name in compat.JIT_NAMES:
-        return compat.jit_parts(eqn).jaxpr
-    if name in compat.CALL_NAMES:
-        return compat.call_jaxpr(eqn)
-    if name in compat.REMAT_NAMES:
-        return compat.remat_parts(eqn).jaxpr
-    if name in compat.CUSTOM_CALL_NAMES:
-        return compat.custom_call_jaxpr(eqn)
-    return None
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -100,14 +94,6 @@ def user_source(eqn: jex.JaxprEqn) -> str:
         if not real.startswith(_LIBRARY_DIRS) and not file_name.startswith("<"):
             return f"{file_name}:{line}"
     return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown>:0"
-
-
-def structure_of(eqn: jex.JaxprEqn) -> str:
-    """``"inline"``, ``"scan"``, ``"while"``, ``"cond"`` or ``"op"`` (measured as is)."""
-    name = eqn.primitive.name
-    if name in ("scan", "while", "cond"):
-        return name
-    return INLINE if inline_jaxpr(eqn) is not None else "op"
 
 
 def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[bool]) -> list[Site]:
@@ -159,38 +145,39 @@ def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list
 
 
 def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
-    kind = structure_of(eqn)
-    path = where.path
-    inner = _Where((*path, (index, 0)), where.in_loop, where.live_outs)
-    if kind == INLINE:
-        return _visit(inline_jaxpr(eqn).jaxpr, ins, inner, sites)
-    if kind in _BODIES:
-        return _BODIES[kind](eqn, ins, where, index, sites)
+    visit = _SITE_RULES.get(eqn.primitive.name, _visit_op)
+    return visit(eqn, ins, where, index, sites)
+
+
+def _visit_op(eqn, ins, where: _Where, index, sites) -> list[bool]:
+    """A measured equation: one site per floating output."""
     phase = "forward" if any(where.live_outs) else "backward"
     for k, var in enumerate(eqn.outvars):
         dtype = getattr(var.aval, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-            key = (path, index, k)
-            source = user_source(eqn)
-            shape = tuple(var.aval.shape)
             sites.append(
                 Site(
-                    key,
+                    site_key(where.path, index, k),
                     eqn.primitive.name,
-                    source,
+                    user_source(eqn),
                     phase,
                     any(ins),
                     np.dtype(dtype),
-                    shape,
+                    tuple(var.aval.shape),
                     where.in_loop,
                 )
             )
     return [any(ins)] * len(eqn.outvars)
 
 
+def _visit_inline(eqn, ins, where: _Where, index, sites) -> list[bool]:
+    inner = where._replace(path=sub_path(where.path, index))
+    return _visit(compat.inline_body(eqn).jaxpr, ins, inner, sites)
+
+
 def _body_where(where: _Where, index: int, n_outs: int) -> _Where:
     # A loop body runs for the primal results if the loop does (any output).
-    return _Where((*where.path, (index, 0)), True, [any(where.live_outs)] * n_outs)
+    return _Where(sub_path(where.path, index), True, [any(where.live_outs)] * n_outs)
 
 
 def _visit_scan(eqn, ins, where, index, sites):
@@ -221,18 +208,20 @@ def _visit_while(eqn, ins, where, index, sites):
 
 def _visit_cond(eqn, ins, where, index, sites):
     outs = [
-        _visit(branch.jaxpr, ins[1:], where._replace(path=(*where.path, (index, b))), sites)
+        _visit(branch.jaxpr, ins[1:], where._replace(path=sub_path(where.path, index, b)), sites)
         for b, branch in enumerate(compat.cond_parts(eqn).branches)
     ]
     return [any(flags) for flags in zip(*outs, strict=True)]
 
 
-_BODIES = {"scan": _visit_scan, "while": _visit_while, "cond": _visit_cond}
+_SITE_RULES = structured_rules(
+    inline=_visit_inline, scan=_visit_scan, while_=_visit_while, cond=_visit_cond
+)
 
 
 def _carry_fixpoint(body, carry: list[bool]) -> list[bool]:
     # A carry depends on the seed if its initial value or any iteration's update does.
-    for _ in range(_FIXPOINT_ROUNDS):
+    for _ in range(TAINT_ROUNDS):
         outs = body(carry, [])
         new = [a or b for a, b in zip(carry, outs[: len(carry)], strict=True)]
         if new == carry:

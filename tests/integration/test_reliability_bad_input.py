@@ -57,6 +57,12 @@ CASES = [
         ["compute_dtype", "complex64"],
     ),
     (
+        "policy.with_output_dtype(None)",
+        lambda: jaxamp.get_policy("mixed_bfloat16").with_output_dtype(None),
+        TypeError,
+        ["output_dtype", "got None", "floating-point"],
+    ),
+    (
         'cast_floating(x, "int8")',
         lambda: jaxamp.cast_floating(jnp.ones(2), "int8"),
         TypeError,

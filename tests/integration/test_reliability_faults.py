@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._faults import inject_fault, inject_fault_in_leaf
+from jaxamp.testing import inject_fault, inject_fault_in_leaf
 from tests.helpers import bits
 
 POLICY = jaxamp.get_policy("mixed_float16")

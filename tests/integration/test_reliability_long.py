@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._faults import inject_fault_in_leaf
+from jaxamp.testing import inject_fault_in_leaf
 
 INT32_MAX = 2**31 - 1
 

@@ -8,6 +8,9 @@
   strict mode.
 - Every public name of jaxamp (and of its public submodules) has an API entry.
 - The numbers the primer quotes match the data the figure script produced.
+
+The repository paths, modules and sections the pages cite are checked, with those
+of the code and the other markdown files, by ``tests/smoke/test_references.py``.
 """
 
 from __future__ import annotations
@@ -73,18 +76,6 @@ def test_page_code_runs(page):
         del sys.modules[module.__name__]
 
 
-REPO_PATH = re.compile(
-    r"`((?:examples|benchmarks|tests|docs|jaxamp)/[\w./-]+\.(?:py|md|json|png)|[A-Z]+\.md)`"
-)
-
-
-def test_repository_paths_named_in_the_docs_exist():
-    named = {path for page in PAGES for path in REPO_PATH.findall(page.read_text())}
-    assert "examples/digits.py" in named  # the pattern itself works
-    missing = sorted(path for path in named if not (ROOT / path).exists())
-    assert not missing, f"the docs name files that do not exist: {missing}"
-
-
 def _public_names(module) -> set[str]:
     return {n for n in getattr(module, "__all__", ()) if not n.startswith("_")}
 
@@ -117,6 +108,24 @@ def test_api_directives_name_real_objects():
             continue  # a module
         module = importlib.import_module(module_name)
         assert hasattr(module, attr), f"docs/api names {directive}, which does not exist"
+
+
+def test_autocast_page_higher_order_table_matches_the_rules():
+    # The hand-written table of higher-order primitives (the generated one covers all
+    # rules): "run as traced" is the keep rule, anything rebuilt or inlined is recurse.
+    page = (DOCS / "api" / "autocast.md").read_text()
+    section = page[page.index("## Higher-order primitives") :]
+    section = section[: section.index("\n## ")]
+    listed = {}
+    for names, handling in re.findall(r"^\| (.+?) \| (.+?) \|$", section, re.MULTILINE)[2:]:
+        kind = "keep" if handling.startswith("run as traced") else "recurse"
+        names = re.sub(r"\([^)]*\)", "", names)  # "(`.at[]`, `segment_sum`)" are examples
+        listed.update(dict.fromkeys(re.findall(r"`([\w-]+)`", names), kind))
+    rules = jaxamp.AUTOCAST_RULES
+    wrong = {p: (kind, rules[p]) for p, kind in listed.items() if p in rules and rules[p] != kind}
+    assert not wrong, f"the page says (page, rule): {wrong}"
+    unlisted = {p for p, kind in rules.items() if kind == "recurse"} - listed.keys()
+    assert not unlisted, f"recurse primitives missing from the page's table: {unlisted}"
 
 
 def test_primer_quotes_the_figure_data():

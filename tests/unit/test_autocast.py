@@ -1,4 +1,4 @@
-"""jaxamp.autocast: numerics against float32, dtypes in the jaxpr, exact no-op for float32."""
+"""jaxamp.autocast: numerics against float32, dtypes in the jaxpr, float32 exact, bad arguments."""
 
 import functools
 
@@ -267,3 +267,23 @@ def test_explicit_casts_in_hand_written_mixed_code_are_kept():
     dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert [d.params["preferred_element_type"] for d in dots] == [F32]  # now accumulates in f32
     np.testing.assert_allclose(jaxamp.autocast(f)(w, x), f(w, x), rtol=1e-6)
+
+
+def test_bad_arguments_are_named_in_the_error():
+    with pytest.raises(TypeError, match="fun must be callable"):
+        jaxamp.autocast(3)
+    with pytest.raises(ValueError, match="invalid policy spec"):
+        jaxamp.autocast(jnp.sin, "mixed_bf17")
+    with pytest.raises(ValueError, match=r"rules\['exp'\] must be one of"):
+        jaxamp.autocast(jnp.sin, rules={"exp": "fast"})
+    with pytest.raises(ValueError, match="'recurse' needs a built-in handler"):
+        jaxamp.autocast(jnp.sin, rules={"my_loop": "recurse"})
+    with pytest.raises(TypeError, match="rules keys must be jax primitives"):
+        jaxamp.autocast(jnp.sin, rules={3: "keep"})
+    with pytest.raises(TypeError, match="rules must be a mapping"):
+        jaxamp.autocast(jnp.sin, rules=["exp"])
+    with pytest.raises(TypeError, match=r"rules\['exp'\] must be a rule name or a callable"):
+        jaxamp.autocast(jnp.sin, rules={"exp": 1})
+    for bad in (0, -8, 2.5, True, "big"):
+        with pytest.raises(ValueError, match="pad_to must be None, 'auto'"):
+            jaxamp.autocast(jnp.sin, pad_to=bad)

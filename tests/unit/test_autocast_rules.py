@@ -1,10 +1,11 @@
-"""The rule table against the installed JAX: no stale key, no higher-order primitive without a rule.
+"""The rule table against the installed JAX, and rules given per call.
 
-A JAX upgrade that renames a primitive (``pjit`` -> ``jit``, ``scatter_add`` ->
-``scatter-add``) or adds a higher-order one fails here, naming it, instead of in
-a user's run. The primitives JAX defines are enumerated from its public modules
-and from tracing a zoo of programs that use every higher-order primitive
-autocast knows (and a few more).
+No stale key, no higher-order primitive without a rule: a JAX upgrade that
+renames a primitive (``pjit`` -> ``jit``, ``scatter_add`` -> ``scatter-add``) or
+adds a higher-order one fails here, naming it, instead of in a user's run. The
+primitives JAX defines are enumerated from its public modules and from tracing a
+zoo of programs that use every higher-order primitive autocast knows (and a few
+more).
 """
 
 import importlib
@@ -18,7 +19,8 @@ from jax.experimental import io_callback
 
 import jaxamp
 from jaxamp._engine import _compat as compat
-from jaxamp._engine._interpreter import walk
+from jaxamp._engine._visit import walk
+from tests.helpers import assert_close, dot_dtypes
 
 PUBLIC_MODULES = ("jax.lax", "jax.extend.core.primitives", "jax.random", "jax.nn")
 
@@ -144,3 +146,28 @@ def test_operations_held_in_hi_primitives_are_seen_and_typed():
     assert sum(m.count for m in report.matmuls) == 30
     got = jax.jit(jaxamp.autocast(_root_by_fixed_iterations))(a, b)
     np.testing.assert_allclose(got, _root_by_fixed_iterations(a, b), rtol=2e-2)
+
+
+def test_per_call_rules_override_and_callable():
+    w0 = jax.random.normal(jax.random.key(0), (8, 8), jnp.float32) * 0.3
+    x0 = jax.random.normal(jax.random.key(1), (4, 8), jnp.float32)
+
+    def f(w, x):
+        return jnp.tanh(x @ w)
+
+    # tanh in float32 by rule; matmuls unchanged by "keep" -> float32.
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f, rules={jax.lax.tanh_p: "float32"}))(w0, x0).jaxpr
+    tanh_dtypes = [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "tanh"]
+    assert tanh_dtypes == [jnp.float32]
+    dtypes = set(dot_dtypes(jaxamp.autocast(f, rules={"dot_general": "keep"}), w0, x0))
+    assert dtypes == {("float32", "float32")}
+
+    calls = []
+
+    def double_tanh(autocaster, eqn, x):
+        calls.append(autocaster.compute_dtype)
+        return [2.0 * autocaster.bind(eqn, x)[0]]
+
+    out = jaxamp.autocast(f, rules={"tanh": double_tanh})(w0, x0)
+    assert calls == [jnp.bfloat16]
+    assert_close(out, 2.0 * f(w0, x0))

@@ -1,6 +1,7 @@
 """Policies: parsing (with jmp parity), hashing, casting and device choice."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,77 @@ def test_casting_methods_and_module_kwargs():
     assert p.cast_to_compute(tree)["i"].dtype == jnp.int32
     assert p.module_kwargs() == {"dtype": F16, "param_dtype": F32}
     assert p.with_compute_dtype("bf16").compute_dtype == BF16
+
+
+ROLES = ("param", "compute", "output")
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize(
+    "dtype, expected",
+    [("bf16", BF16), ("half", F16), ("full", F32), (jnp.bfloat16, BF16), (np.float16, F16)],
+)
+def test_with_dtype_replaces_one_role(role, dtype, expected):
+    base = get_policy("mixed_float16")
+    changed = getattr(base, f"with_{role}_dtype")(dtype)
+    # Oracle: the policy built from scratch with that one dtype changed.
+    dtypes = {r: getattr(base, f"{r}_dtype") for r in ROLES}
+    dtypes[role] = expected
+    want = Policy(dtypes["param"], dtypes["compute"], dtypes["output"])
+    assert changed == want and hash(changed) == hash(want)
+    assert all(isinstance(getattr(changed, f"{r}_dtype"), np.dtype) for r in ROLES)
+    assert getattr(changed, f"{role}_dtype") == expected
+    assert base == get_policy("mixed_float16")  # the original is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        changed.__setattr__(f"{role}_dtype", F32)
+
+
+def test_with_dtype_matches_jmp_and_the_string_spec():
+    policy = get_policy("mixed_float16").with_output_dtype("bf16").with_param_dtype("half")
+    assert policy == get_policy("p=f16,c=f16,o=bf16")
+    theirs = jmp.get_policy("p=f16,c=f16,o=f32").with_output_dtype(jnp.bfloat16)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (
+        theirs.param_dtype,
+        theirs.compute_dtype,
+        theirs.output_dtype,
+    )
+    # Replacing a dtype by the one it has gives an equal policy, not a different one.
+    assert get_policy("mixed_bfloat16").with_compute_dtype(jnp.bfloat16) == get_policy(
+        "mixed_bfloat16"
+    )
+
+
+def test_with_dtype_policies_are_jit_static_arguments():
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(x, policy):
+        traces.append(policy)
+        return policy.cast_to_output(policy.cast_to_compute(x))
+
+    base = get_policy("mixed_float16")
+    x = jnp.ones(3)
+    assert run(x, base).dtype == F32
+    assert run(x, base.with_output_dtype("f32")).dtype == F32  # equal policy: no retrace
+    assert len(traces) == 1
+    assert run(x, base.with_output_dtype("f16")).dtype == F16
+    assert run(x, base.with_param_dtype("bf16")).dtype == F32  # a new static value
+    assert len(traces) == 3
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize(
+    "bad, got", [(jnp.int32, "got int32"), ("bool", "got bool"), (None, "got None"), ("x", "'x'")]
+)
+def test_with_dtype_rejects_non_floating_dtypes(role, bad, got):
+    method = getattr(get_policy("mixed_float16"), f"with_{role}_dtype")
+    with pytest.raises(TypeError, match=rf"{role}_dtype must be a floating-point dtype.*{got}"):
+        method(bad)
+
+
+def test_policy_rejects_none():
+    with pytest.raises(TypeError, match="output_dtype must be a floating-point dtype.*got None"):
+        Policy(F32, F32, None)
 
 
 def test_policy_for_device_on_cpu_is_float32_with_reason():
