@@ -14,6 +14,9 @@ A rule is one of these kinds (or a callable, see :func:`jaxamp.autocast`):
   losses stay float32 once there), else the compute dtype if any is an
   activation, else they run as traced. Parameters and constants therefore
   follow the activation they meet: ``x_bf16 + bias_f32`` runs in bfloat16.
+  Except where 16 bits would break a float32 value (a power or product feeding
+  a sum, a division by a traced float32 value, a constant that underflows):
+  then the equation runs in float32 (``_wide.py``).
 - ``"keep"``: run exactly as traced; floating operands are cast back to their
   traced dtypes. Safe for anything (bit casts, callbacks, primitives whose
   params hold typed jaxprs).
