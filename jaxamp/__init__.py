@@ -15,7 +15,7 @@ import importlib as _importlib
 import importlib.util as _importlib_util
 
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
-from jaxamp._autocast import AUTOCAST_RULES, UnknownPrimitiveWarning, autocast
+from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._loss_scaling._finite import all_finite, select_tree
 from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
@@ -43,6 +43,7 @@ if _importlib_util.find_spec("flax") is not None:
 __all__ = [
     "AUTOCAST_RULES",
     "AccumulationState",
+    "AutocastContext",
     "DynamicLossScale",
     "LossScale",
     "LossScalingState",

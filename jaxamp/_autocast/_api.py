@@ -64,8 +64,9 @@ def autocast(
         pytrees) are traced, other leaves (Python scalars, strings) are static.
       policy: a ``jaxamp.Policy`` or anything ``jaxamp.get_policy`` accepts.
       rules: overrides ``{primitive or name: "compute" | "float32" | "follow" |
-        "keep" | callable}``; a callable is called as ``rule(autocaster, eqn,
-        *args)`` and returns the list of outputs.
+        "keep" | "recurse" | callable}``; a callable is a custom rule, called as
+        ``rule(context, eqn, *args)`` with a :class:`jaxamp.AutocastContext`,
+        and returns the list of outputs.
       pad_to: ``None`` (default), an int, or ``"auto"`` (the Tensor Core multiple
         of the compute dtype): the M, N and K dims of matmuls and the channel dims
         of convolutions are zero-padded to that multiple and the result sliced

@@ -18,6 +18,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from jaxamp._autocast._context import AutocastContext
 from jaxamp._autocast._matmul import padded, run_matmul
 from jaxamp._autocast._values import (
     ACTIVATION,
@@ -62,6 +63,8 @@ class Autocaster:
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.table = table
         self.pad_to = pad_to
+        # What a user's rule sees: the public part, nothing of the evaluation.
+        self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
         self._wide_powers: dict[int, tuple[Any, set[int]]] = {}
         # True inside a custom_jvp's JVP rule (JAX transposes what it computes) and
@@ -73,11 +76,6 @@ class Autocaster:
         child = copy.copy(self)
         child.transposable = True
         return child
-
-    @staticmethod
-    def bind(eqn: jex.JaxprEqn, *args: Any) -> list[Any]:
-        """Runs ``eqn`` as written on ``args``."""
-        return compat.bind_eqn(eqn, args)
 
     # -- evaluation ---------------------------------------------------------------
 
@@ -248,14 +246,16 @@ KIND_RULES: dict[str, Rule] = {
 
 
 def custom_rule(fn: Callable) -> Rule:
-    """The rule that runs a user's callable ``fn(autocaster, eqn, *values)``.
+    """The rule that runs a user's callable ``fn(context, eqn, *values)``.
+
+    ``context`` is the call's :class:`jaxamp.AutocastContext`.
 
     Outputs in their traced dtype take the operands' role; others were moved on
     purpose, and their dtype decides.
     """
 
     def rule(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        outs = list(fn(ac, eqn, *[v for v, _ in ins]))
+        outs = list(fn(ac.context, eqn, *[v for v, _ in ins]))
         in_role = max((r for v, r in ins if is_float(v)), default=PLAIN)
         roles = []
         for out, var in zip(outs, eqn.outvars, strict=True):
@@ -293,5 +293,5 @@ def unknown_higher_order_message(name: str) -> str:
         "traced (its inputs are cast back to their traced dtypes; what it computes stays "
         "in those dtypes). To silence this, say so: jaxamp.autocast(fun, policy, "
         f"rules={{{name!r}: 'keep'}}); to rewrite it, pass a callable "
-        "rule(autocaster, eqn, *args) -> list of outputs."
+        "rule(context, eqn, *args) -> list of outputs (see jaxamp.AutocastContext)."
     )

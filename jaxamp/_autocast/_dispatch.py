@@ -52,7 +52,7 @@ def rule_table(rules: Mapping | None) -> dict[str, Rule]:
         else:
             raise TypeError(
                 f"rules[{name!r}] must be a rule name or a callable "
-                f"rule(autocaster, eqn, *args); got {type(rule).__name__}: {rule!r}."
+                f"rule(context, eqn, *args); got {type(rule).__name__}: {rule!r}."
             )
     return table
 

@@ -51,7 +51,7 @@ def _canonical_dot(params: dict, x, w):
     return {**params, "dimension_numbers": (contract, (batch, batch))}, x, w
 
 
-def _pinned(prim: jex.Primitive, params: dict, x, w, *extra):
+def _cpu_product(prim: jex.Primitive, params: dict, x, w, *extra):
     """The XLA:CPU form of a 16-bit product with float32 accumulation.
 
     XLA:CPU runs bf16 x bf16 -> f32 only in YNNPACK (canonical layouts, M, N > 1)
@@ -74,7 +74,7 @@ def _accumulating(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *ext
     # ``extra``: non-floating operands after the two factors (ragged_dot's group sizes).
     params = {**params, "preferred_element_type": _F32}
     if jax.default_backend() == "cpu":
-        out = _pinned(prim, params, x, w, *extra)
+        out = _cpu_product(prim, params, x, w, *extra)
     else:  # GPU/TPU: the native 16-bit product, as written
         out = prim.bind(x, w, *extra, **params)
     return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)

@@ -3,7 +3,7 @@
 A careful engineer converting code to 16 bits by hand casts parameters and
 inputs to 16 bits but keeps in float32 what 16 bits would break:
 
-- powers and products that feed a sum (norm statistics, ``mean(x**2)``): in
+- powers and products that a sum consumes (norm statistics, ``mean(x**2)``): in
   float16 a channel with ``|x| >= 256`` squares to inf, in bfloat16 Flax's fast
   variance ``E[x^2] - E[x]^2`` cancels. Only the reduction after them was
   float32; now the products are too (they fuse into the reduction, so nothing
@@ -37,8 +37,8 @@ __all__ = ["accumulator_carries", "breaks_in", "feeds_reduction", "is_constant"]
 _POWERS = frozenset({"square", "integer_pow", "mul"})
 # Reductions that run in float32 (the "float32" rule).
 _SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "reduce_prod"})
-# Operations a value passes through on its way into a sum (or around a loop)
-# without being recomputed by a matmul or a nonlinearity.
+# Operations a value passes through around a loop without being recomputed by a
+# matmul or a nonlinearity.
 _ARITHMETIC = frozenset(
     {
         "add",
@@ -64,6 +64,22 @@ _ARITHMETIC = frozenset(
     }
 )
 _ACCUMULATE = frozenset({"add", "add_any", "sub"})
+# What a value passes through on its way into a sum without being recomputed.
+_SHAPE = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "rev",
+        "copy",
+        "copy_p",
+    }
+)
 
 
 def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[jex.JaxprEqn]]:
@@ -76,10 +92,11 @@ def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[jex.JaxprEqn]]:
 
 
 def feeds_reduction(jaxpr: jex.Jaxpr) -> set[int]:
-    """``id``s of the power/product equations whose result flows into a float32 sum.
+    """``id``s of the power/product equations whose result a float32 sum consumes.
 
-    The flow may pass through elementwise arithmetic and shape operations
-    (``sum(x**2 * mask)``, ``mean(square(x).reshape(...))``).
+    Directly, through shape operations and converts (``mean(square(x).reshape(...))``),
+    or, for a power, through one product (``sum(x**2 * mask)``). Not through other
+    arithmetic: a scale applied long before some later sum stays with the activation.
     """
     users = _consumers(jaxpr)
     memo: dict[Any, bool] = {}
@@ -89,18 +106,27 @@ def feeds_reduction(jaxpr: jex.Jaxpr) -> set[int]:
             memo[var] = False  # jaxprs are acyclic; this only guards re-entry
             for eqn in users.get(var, ()):
                 name = eqn.primitive.name
-                if name in _SUMS or (
-                    name in _ARITHMETIC and any(reaches_sum(o) for o in eqn.outvars)
-                ):
+                if name in _SUMS or (name in _SHAPE and any(reaches_sum(o) for o in eqn.outvars)):
                     memo[var] = True
                     break
         return memo[var]
 
-    return {
-        id(eqn)
-        for eqn in jaxpr.eqns
-        if eqn.primitive.name in _POWERS and any(reaches_sum(o) for o in eqn.outvars)
-    }
+    def product_reaches_sum(var: Any) -> bool:
+        return any(
+            eqn.primitive.name == "mul" and any(reaches_sum(o) for o in eqn.outvars)
+            for eqn in users.get(var, ())
+        )
+
+    wide = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name not in _POWERS:
+            continue
+        if any(reaches_sum(o) for o in eqn.outvars) or (
+            name != "mul" and any(product_reaches_sum(o) for o in eqn.outvars)
+        ):
+            wide.add(id(eqn))
+    return wide
 
 
 def accumulator_carries(jaxpr: jex.Jaxpr, first_carry: int, n_carry: int) -> list[bool]:

@@ -1,7 +1,7 @@
 """The one way into the jaxprs that higher-order equations hold.
 
 A tool is a table ``{primitive name: rule}`` whose rules are called with the
-equation (see ``_interpreter.apply_rules``). For the higher-order primitives the
+equation (by the ``apply`` of ``_interpreter.eval_jaxpr``). For the higher-order primitives the
 engine knows, the rules come from one place:
 
 - ``structured_rules(inline=, scan=, while_=, cond=)`` builds the entries of a

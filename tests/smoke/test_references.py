@@ -52,6 +52,11 @@ _ROOT_FILE = re.compile(_NOT_PATH_BEFORE + r"([A-Z][A-Z_]*\.md|LICENSE)(?![\w/-]
 # neighbours. Checked under jaxamp/ only: elsewhere such names are mostly what a script
 # writes (``digits.md`` to ``--out``) or what a user has.
 _NEIGHBOUR = re.compile(r"(?<=`)((?:\.\./)*[\w-]+(?:/[\w-]+)*\.(?:py|md))(?=`)")
+# A private module's name relative to the citing file's folder or a folder above it,
+# with what it holds (``_caster.follow``, ``_engine._visit.walk``): how jaxamp's modules
+# and READMEs cite functions. Checked under jaxamp/ only, like _NEIGHBOUR, and only
+# where jaxamp has a module of that name.
+_RELATIVE_NAME = re.compile(r"(?<=`)(_[a-z]\w*(?:\.\w+)+)(?=`|\()")
 _MODULE = re.compile(_NOT_PATH_BEFORE + r"((?:benchmarks|examples|tests)(?:\.\w+)+)")
 _PRIVATE = re.compile(_NOT_PATH_BEFORE + r"(jaxamp(?:\.\w+)*\._\w+(?:\.\w+)*)")
 _FILE_EXTENSIONS = ("md", "py", "json", "png", "yml", "toml", "txt")
@@ -242,6 +247,38 @@ def _check_neighbour(citing: Path, match: re.Match) -> str | None:
     return None
 
 
+def _relative_name_resolves(dotted: str, folder: Path) -> bool | None:
+    """Whether ``_module.name`` relative to ``folder`` exists; None if no such module."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        path = folder.joinpath(*parts[:end])
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            module = ".".join(path.relative_to(ROOT).parts)
+            return _private_name_resolves(f"{module}.{'.'.join(parts[end:])}".rstrip("."))
+    return None
+
+
+def _check_relative_name(citing: Path, match: re.Match) -> str | None:
+    dotted = match.group(1)
+    if not _rel(citing).startswith("jaxamp/") or dotted.rsplit(".", 1)[-1] in _FILE_EXTENSIONS:
+        return None  # see _RELATIVE_NAME; file names are checked by _check_neighbour
+    folders = [citing.parent, *(p for p in citing.parent.parents if p.is_relative_to(ROOT))]
+    for folder in folders:
+        found = _relative_name_resolves(dotted, folder)
+        if found is not None:
+            return None if found else "does not exist in that module"
+    # A README may name a module of a sibling package once it has introduced it
+    # (``_compat.bind_eqn`` for jaxamp/_engine/_compat.py): any module of that name will do.
+    module = dotted.split(".")[0]
+    homes = {p.parent for p in (ROOT / "jaxamp").rglob(f"{module}.py")}
+    homes |= {p.parent for p in (ROOT / "jaxamp").rglob(f"{module}/__init__.py")}
+    if not homes:  # not one of ours: JAX's own ``_prim.expand``, say (a renamed module's
+        return None  # file is still caught where it is cited as a file, ``_rules.py``)
+    if not any(_relative_name_resolves(dotted, home) for home in homes):
+        return "does not exist in that module"
+    return None
+
+
 def _check_module(citing: Path, match: re.Match) -> str | None:
     if not _module_resolves(match.group(1).rstrip(".")):
         return "is not a module of the repository"
@@ -287,6 +324,7 @@ CHECKS = (
     (_PATH, _check_path),
     (_ROOT_FILE, _check_path),
     (_NEIGHBOUR, _check_neighbour),
+    (_RELATIVE_NAME, _check_relative_name),
     (_MODULE, _check_module),
     (_PRIVATE, _check_private_name),
     (_LINK, _check_link),
@@ -336,6 +374,14 @@ def test_placeholders_globs_and_user_paths():
     assert _check_neighbour(readme, _NEIGHBOUR.search("`_rules.py`")) is None
     assert _check_neighbour(readme, _NEIGHBOUR.search("`_engine/_compat.py`")) is None
     assert _check_neighbour(readme, _NEIGHBOUR.search("`_gone.py`"))
+    for name, ok in [
+        ("_caster.keep", True),
+        ("_engine._visit.walk", True),
+        ("_visit.walk", True),  # a sibling package's module
+        ("_caster.gone", False),
+        ("_prim.expand", True),  # no module of jaxamp: someone else's private name
+    ]:
+        assert (_check_relative_name(readme, _RELATIVE_NAME.search(f"`{name}`")) is None) == ok
     assert _module_resolves("benchmarks.report") and not _module_resolves("benchmarks.gone")
     assert _module_resolves("examples.md")
     assert _private_name_resolves("jaxamp._policy.Policy")
