@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._autocast._caster import keep
 from jaxamp._autocast._scatter import SCATTER_RULES
 from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, is_float, promote
 from jaxamp._autocast._wide import accumulator_carries
@@ -172,6 +173,10 @@ def _handle_scan(ac, eqn, ins):
 
 def _handle_while(ac, eqn, ins):
     p = compat.while_parts(eqn)
+    if p.cond_jaxpr.out_avals[0].shape != ():
+        # vmap of a while loop with a batched predicate (jax.scipy.special.expi):
+        # lax.while_loop cannot rebuild it; running it as traced is always correct.
+        return keep(ac, eqn, ins)
     cond_consts = list(ins[: p.cond_nconsts])
     body_consts = list(ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts])
     init = list(ins[p.cond_nconsts + p.body_nconsts :])

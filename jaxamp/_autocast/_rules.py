@@ -101,6 +101,7 @@ _FLOAT32 = (
     "tridiagonal_solve",
     "fft",
     "complex",
+    "conj",  # complex-valued: no 16-bit kernel (conj rejects float16)
 )
 
 _KEEP = (
@@ -116,6 +117,7 @@ _KEEP = (
     # jax 0.12's frexp, ldexp, searchsorted, nonzero(size=), custom_root: typed
     # objects with their own AD rules (custom_root's implicit differentiation).
     "call_hi_primitive",
+    "rng_bit_generator",  # the key's bits are its meaning
     "pure_callback",  # host code expects the traced dtypes
     "io_callback",
 )

@@ -175,3 +175,13 @@ def test_grad_through_custom_jvp_rules_with_matmuls():
         assert_close(got, want, 5e-2)
         exact = jax.jit(jax.grad(jaxamp.autocast(fun, "float32")))(*args)
         assert_close(exact, want, 1e-6)
+
+
+def test_while_loop_with_a_batched_predicate_runs_as_traced():
+    # jax.scipy.special.expi holds a vmapped while loop whose predicate is an array:
+    # lax.while_loop cannot rebuild it, so it runs as traced (float32).
+    def f(w, x):
+        return jax.scipy.special.expi(jnp.abs(x @ w) + 0.1)
+
+    got = jax.jit(jaxamp.autocast(f, "mixed_float16"))(W, X)
+    assert_close(got, f(W, X), 2e-2)
