@@ -59,6 +59,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def cpu_flags(wanted: Sequence[str]) -> list[str]:
+    """Those of ``wanted`` that this CPU's /proc/cpuinfo lists (empty where it is absent)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [flag for flag in wanted if flag in flags]
+
+
 def _git_commit() -> str | None:
     """The checked-out commit (with ``-dirty`` when jaxamp/ has local changes), if any."""
     root = Path(__file__).resolve().parent.parent

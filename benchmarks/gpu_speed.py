@@ -7,6 +7,11 @@ mixed_float16 wraps it in ``jaxamp.loss_scaling`` (float16 needs loss scaling). 
 FLOPs of the UNPADDED model (6 N per token + attention), so padding shows up as a gain only if
 it makes the step faster, and divides by the chip's dense bf16 peak.
 
+Then the optimizer step alone (``tx.update`` plus ``optax.apply_updates``, params and state
+donated) of ``benchmarks/low_precision.py``'s variants (16-bit params and Adam state through
+``jaxamp.low_precision_optimizer``, each rounding mode) on 268M params, interleaved, medians,
+ratios to float32-master Adam: on a GPU that step is bound by the bytes it moves.
+
 The full size runs only on a GPU; on another backend the script records that it was skipped.
 ``--smoke`` runs tiny dims on any backend (CI; the numbers mean nothing).
 
@@ -24,11 +29,14 @@ import jax
 import optax
 
 import jaxamp
-from benchmarks import _harness, _models
+from benchmarks import _harness, _models, low_precision
 
 NAME = "gpu_speed"
 PAD_MULTIPLE = 64
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+# The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.
+OPTIMIZER = {"sizes": {"n_leaves": 8, "width": 8192, "batch": 8}, "reps": 20, "rep_seconds": 0.2}
+SMOKE_OPTIMIZER = {"sizes": low_precision.SMOKE_SIZES, "reps": 2, "rep_seconds": 0.001}
 
 # Dense bfloat16 peak FLOP/s by device_kind substring (vendor datasheets, no sparsity).
 PEAK_BF16_FLOPS = {
@@ -189,6 +197,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload["status"] = "ok"
     payload["results"] = results
     print(table(results))
+    optimizer = SMOKE_OPTIMIZER if args.smoke else OPTIMIZER
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes floats and int32
+        payload["optimizer"] = {
+            **optimizer,
+            "results": low_precision.measure(
+                optimizer["sizes"], optimizer["reps"], optimizer["rep_seconds"], kinds=("update",)
+            ),
+        }
+    print(low_precision.table(payload["optimizer"]["results"]))
     _harness.write_json(out, payload)
     return payload
 

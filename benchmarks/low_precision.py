@@ -2,11 +2,19 @@
 
 Bytes of params plus optimizer state per parameter, counted exactly from the arrays
 (``size * itemsize`` of every leaf, step counters and keys included), for Adam with:
-float32 params and moments (the reference), optax's ``mu_dtype=bfloat16``, bfloat16
-params with float32 moments, and bfloat16 params and moments rounded to nearest,
-stochastically or with Kahan compensation. Then the step time of each, on an MLP,
-against the float32-master step: every variant compiled once, repetitions
-interleaved in rotating order in this process, medians and ratios.
+float32 params and moments (the reference), optax's ``mu_dtype=bfloat16``, 16-bit params
+with float32 moments, and 16-bit params and bfloat16 moments rounded to nearest,
+stochastically or with Kahan compensation. Then two times of each against the
+float32-master reference:
+
+- ``update``: the jitted optimizer step alone, ``tx.update`` plus ``optax.apply_updates`` on
+  fixed gradients (the params and state donated), where the optimizer is all the work;
+- ``step``: a whole training step of an MLP (``grad``, update, apply), float32
+  compute for every variant so that only the optimizer differs.
+
+Every variant is compiled once, then blocks of steps run interleaved in rotating order in
+this process; medians of wall time and of process CPU time (all threads; steadier than
+wall time on a shared machine), and their ratios to the reference.
 
     python -m benchmarks.low_precision            # full run
     python -m benchmarks.low_precision --smoke    # seconds
@@ -27,6 +35,9 @@ from benchmarks import _harness, _models
 
 NAME = "low_precision"
 REFERENCE = "float32_master"
+SIZES = {"n_leaves": 8, "width": 512, "batch": 32}  # 1,050,624 params
+SMOKE_SIZES = {"n_leaves": 4, "width": 16, "batch": 4}
+ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512_fp16", "avx512f", "avx2", "f16c")
 
 
 def _adam(**kwargs: Any) -> optax.GradientTransformation:
@@ -44,9 +55,11 @@ VARIANTS: dict[str, tuple[Any, Callable[[], optax.GradientTransformation]]] = {
     REFERENCE: (jnp.float32, _adam),
     "optax_mu_dtype_bf16": (jnp.float32, lambda: _adam(mu_dtype=jnp.bfloat16)),
     "bf16_params_f32_state": (jnp.bfloat16, _low("stochastic", None)),
+    "bf16_kahan_f32_state": (jnp.bfloat16, _low("kahan", None)),
     "bf16_nearest": (jnp.bfloat16, _low("nearest", jnp.bfloat16)),
     "bf16_stochastic": (jnp.bfloat16, _low("stochastic", jnp.bfloat16)),
     "bf16_kahan": (jnp.bfloat16, _low("kahan", jnp.bfloat16)),
+    "f16_stochastic": (jnp.float16, _low("stochastic", jnp.bfloat16)),
 }
 
 
@@ -68,87 +81,141 @@ def bytes_per_param(params: Any, opt_state: Any) -> dict[str, float]:
     }
 
 
+def _update_fn(tx: optax.GradientTransformation) -> Callable:
+    def update(state, grads):
+        params, opt_state = state
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
 def _step_fn(tx: optax.GradientTransformation, batch: Any) -> Callable:
     def loss(params):
         # Same float32 compute for every variant: only the optimizer differs.
         return _models.mlp_loss(jaxamp.cast_floating(params, jnp.float32), batch)
 
-    def step(state):
+    def step(state, _):
         params, opt_state = state
-        value, grads = jax.value_and_grad(loss)(params)
+        grads = jax.grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
+        return optax.apply_updates(params, updates), opt_state
 
     return step
 
 
-def _run(step: Callable, state: Any, n: int) -> tuple[Any, float]:
-    start = time.perf_counter()
+def _run(fun: Callable, state: Any, arg: Any, n: int) -> tuple[Any, float, float]:
+    """``n`` calls of ``fun``; the state after them, wall and CPU seconds per call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(n):
-        state, value = step(state)
-    jax.block_until_ready((state, value))
-    return state, (time.perf_counter() - start) / n
+        state = fun(state, arg)
+    jax.block_until_ready(state)
+    return state, (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
 
 
-def measure(smoke: bool, reps: int, rep_seconds: float) -> list[dict[str, Any]]:
-    width, n_leaves, batch_size = (16, 4, 4) if smoke else (512, 8, 32)
-    params32 = _models.mlp_params(n_leaves, width=width)
-    batch = _models.mlp_batch(width=width, batch=batch_size)
-    steps, states, results = {}, {}, {}
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _prepare(sizes: dict[str, int], kinds: Sequence[str]) -> tuple[dict, dict]:
+    """Per variant: bytes, and [jitted function, state, argument] for each timed kind."""
+    params32 = _models.mlp_params(sizes["n_leaves"], width=sizes["width"])
+    batch = _models.mlp_batch(width=sizes["width"], batch=sizes["batch"])
+    grads32 = jax.tree.map(lambda p: 1e-3 * jnp.cos(p), params32)
+    results, runs = {}, {}
     for name, (dtype, make_tx) in VARIANTS.items():
         tx = make_tx()
         params = jaxamp.cast_floating(params32, dtype)
         opt_state = tx.init(params)
         results[name] = {"variant": name, **bytes_per_param(params, opt_state)}
-        steps[name] = jax.jit(_step_fn(tx, batch), donate_argnums=0)
-        state = jax.tree.map(lambda x: jnp.array(x, copy=True), (params, opt_state))
-        states[name], _ = _run(steps[name], state, 3)  # compile and warm up
-    states[REFERENCE], t_ref = _run(steps[REFERENCE], states[REFERENCE], 3)
-    n_steps = max(1, round(rep_seconds / max(t_ref, 1e-6)))
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        funs = {
+            "update": (_update_fn(tx), jaxamp.cast_floating(grads32, dtype)),
+            "step": (_step_fn(tx, batch), None),
+        }
+        for kind in kinds:
+            fun, arg = funs[kind]
+            fun = jax.jit(fun, donate_argnums=0)
+            state, _, _ = _run(fun, _copy((params, opt_state)), arg, 3)  # compile, warm up
+            runs[(kind, name)] = [fun, state, arg]
+    return results, runs
+
+
+def measure(
+    sizes: dict[str, int],
+    reps: int,
+    rep_seconds: float,
+    kinds: Sequence[str] = ("update", "step"),
+) -> list[dict[str, Any]]:
+    """Bytes and interleaved times of every variant, for each of ``kinds``."""
+    results, runs = _prepare(sizes, kinds)
+    times: dict[tuple[str, str], tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    n_steps = {}
+    for kind in kinds:
+        fun, state, arg = runs[(kind, REFERENCE)]
+        runs[(kind, REFERENCE)][1], t_ref, _ = _run(fun, state, arg, 3)
+        n_steps[kind] = max(1, round(rep_seconds / max(t_ref, 1e-6)))
+    keys = list(runs)
     for rep in range(reps):
-        for name in _harness.rotated(list(VARIANTS), rep):
-            states[name], per_step = _run(steps[name], states[name], n_steps)
-            times[name].append(per_step)
-    ref = _harness.median(times[REFERENCE])
+        for key in _harness.rotated(keys, rep):
+            fun, state, arg = runs[key]
+            runs[key][1], wall, cpu = _run(fun, state, arg, n_steps[key[0]])
+            times[key][0].append(wall)
+            times[key][1].append(cpu)
     for name, r in results.items():
-        r.update(
-            steps_per_rep=n_steps,
-            per_step_s=times[name],
-            median_s=_harness.median(times[name]),
-            ratio_median=_harness.median(times[name]) / ref,
-        )
+        for kind in kinds:
+            wall, cpu = times[(kind, name)]
+            ref_wall, ref_cpu = times[(kind, REFERENCE)]
+            r[kind] = {
+                "steps_per_rep": n_steps[kind],
+                "per_step_s": wall,
+                "per_step_cpu_s": cpu,
+                "median_s": _harness.median(wall),
+                "ratio_median": _harness.median(wall) / _harness.median(ref_wall),
+                "median_cpu_s": _harness.median(cpu),
+                "ratio_cpu": _harness.median(cpu) / _harness.median(ref_cpu),
+            }
+        # The last kind's numbers (the whole step's) at the top level, as earlier runs have.
+        last = r[kinds[-1]]
+        r["median_s"], r["ratio_median"] = last["median_s"], last["ratio_median"]
     return list(results.values())
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    headers = ["variant", "params B/param", "state B/param", "total B/param", "median ms", "x f32"]
-    rows = [
-        [
-            r["variant"],
-            r["params_bytes_per_param"],
-            r["state_bytes_per_param"],
-            r["total_bytes_per_param"],
-            1e3 * r["median_s"],
-            r["ratio_median"],
-        ]
-        for r in results
-    ]
+    headers = ["variant", "params B", "state B", "total B/param"]
+    headers += ["update x f32", "update cpu x f32", "step x f32", "step cpu x f32"]
+    rows = []
+    for r in results:
+        update, step = r.get("update", {}), r.get("step", {})
+        rows.append(
+            [
+                r["variant"],
+                r["params_bytes_per_param"],
+                r["state_bytes_per_param"],
+                r["total_bytes_per_param"],
+                update.get("ratio_median"),
+                update.get("ratio_cpu"),
+                step.get("ratio_median", r.get("ratio_median")),
+                step.get("ratio_cpu"),
+            ]
+        )
     return _harness.format_table(headers, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _harness.parse_args(__doc__.splitlines()[0], argv)
     config = {
-        "reps": 3 if args.smoke else 30,
-        "rep_seconds": 0.002 if args.smoke else 0.1,
+        "reps": 3 if args.smoke else 25,
+        "rep_seconds": 0.002 if args.smoke else 0.05,
         "optimizer": "optax.adam(1e-3)",
-        "workload": "MLP " + ("4 leaves, width 16" if args.smoke else "8 leaves, width 512"),
-        "timed": "a block of steps ending in jax.block_until_ready, per-step average",
+        "sizes": SMOKE_SIZES if args.smoke else SIZES,
+        "timed": "blocks of calls ending in jax.block_until_ready, per-call average; "
+        "update = tx.update + optax.apply_updates on fixed grads, step = grad + "
+        "update + apply; params and state donated",
+        "isa": _harness.cpu_flags(ISA_FLAGS),
     }
     # optax.adam mixes Python floats with int32 counts, which strict promotion rejects.
     with jax.numpy_dtype_promotion("standard"):
-        results = measure(args.smoke, config["reps"], config["rep_seconds"])
+        results = measure(config["sizes"], config["reps"], config["rep_seconds"])
     print(table(results))
     return _harness.save(NAME, NAME, args, config, results)
 

@@ -11,7 +11,13 @@ what that costs on the GPT of ``benchmarks/_models.py`` under
   ``jax.jit(jax.value_and_grad(loss))``, both on the same params and batch, timed
   interleaved (the order rotates every repetition), medians of ``--repeats``;
 - ``first call``: the whole ``numerics_report`` call (trace, compile, run, summary)
-  vs trace + compile + one call of the plain ``value_and_grad``, measured once each.
+  vs trace + compile + one call of the plain ``value_and_grad``, measured once each;
+- ``again``: ``numerics_report`` called again on the same shapes (the compiled
+  program is cached: a run and the summary) vs the compiled plain step;
+- ``monitor``: a jitted step holding ``value_and_grad`` and a
+  ``jaxamp.numerics_monitor(every=2)`` vs the plain step, at a step that does not
+  report (``idle``: one untaken branch) and at one that does (``fires``: the
+  instrumented run and the host callback), timed interleaved with the others.
 
     python -m benchmarks.numerics_cost            # full run
     python -m benchmarks.numerics_cost --smoke    # seconds
@@ -70,12 +76,21 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
     run, inputs, _ = prepare(loss, (params, batch), {}, None, True, None)
     jax.block_until_ready(run(*inputs))  # compile outside the timed loop
-    times: dict[str, list[float]] = {"plain": [], "instrumented": []}
-    calls = {"plain": lambda: plain(params, batch), "instrumented": lambda: run(*inputs)}
+    monitored = _monitored_step(loss)
+    jax.block_until_ready(monitored(1, params, batch))  # compile
+    calls = {
+        "plain": lambda: plain(params, batch),
+        "instrumented": lambda: run(*inputs),
+        "again": lambda: jaxamp.numerics_report(loss, params, batch, grad=True),
+        "monitor_idle": lambda: monitored(1, params, batch),
+        "monitor_fires": lambda: _with_callbacks(monitored(2, params, batch)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
     for rep in range(repeats):
         for variant in _harness.rotated(list(calls), rep):
             times[variant].append(_timed(calls[variant]))
-    plain_s, instrumented_s = (_harness.median(times[k]) for k in ("plain", "instrumented"))
+    med = {k: _harness.median(v) for k, v in times.items()}
+    plain_s, instrumented_s = med["plain"], med["instrumented"]
     return {
         "model": name,
         "n_params": n_params,
@@ -86,12 +101,34 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "plain_first_call_s": plain_first,
         "report_first_call_s": report_first,
         "first_call_ratio": report_first / plain_first,
+        "again_s": med["again"],
+        "again_ratio": med["again"] / plain_s,
+        "monitor_idle_ratio": med["monitor_idle"] / plain_s,
+        "monitor_fires_ratio": med["monitor_fires"] / plain_s,
     }
+
+
+def _monitored_step(loss: Any) -> Any:
+    """``jit(step, params, batch)``: value_and_grad, with a report every 2 steps."""
+    monitor = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
+
+    @jax.jit
+    def step(i, params, batch):
+        monitor(i, params, batch)
+        return jax.value_and_grad(loss)(params, batch)
+
+    return step
+
+
+def _with_callbacks(out: Any) -> Any:
+    jax.block_until_ready(out)
+    jax.effects_barrier()  # the report's host callback has run
+    return out
 
 
 def table(results: list[dict[str, Any]]) -> str:
     headers = ["model", "params", "ops", "plain run ms", "report run ms", "run ratio"]
-    headers += ["first call ratio"]
+    headers += ["first call ratio", "again ratio", "monitor idle", "monitor fires"]
     rows = [
         [
             r["model"],
@@ -101,6 +138,9 @@ def table(results: list[dict[str, Any]]) -> str:
             1e3 * r["instrumented_run_s"],
             r["run_ratio"],
             r["first_call_ratio"],
+            r.get("again_ratio", "-"),  # runs before the cache and the monitor lack these
+            r.get("monitor_idle_ratio", "-"),
+            r.get("monitor_fires_ratio", "-"),
         ]
         for r in results
     ]
@@ -110,10 +150,13 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def extra(parser):
         parser.add_argument("--repeats", type=int, default=None, help="timed calls (10; smoke 3)")
+        parser.add_argument(
+            "--models", nargs="+", choices=list(CONFIGS), default=None, help="configs to run"
+        )
 
     args = _harness.parse_args(__doc__.split("\n\n")[0], argv, extra)
     repeats = args.repeats or (3 if args.smoke else 10)
-    names = ["smoke"] if args.smoke else list(CONFIGS)
+    names = ["smoke"] if args.smoke else (args.models or list(CONFIGS))
     results = [measure(name, repeats) for name in names]
     print(table(results))
     configs = {k: vars(c) for k, c in CONFIGS.items() if k in names}

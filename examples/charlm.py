@@ -79,6 +79,12 @@ STDLIB_FILES = (
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
 ALIGN = 64  # A100/H100 reach full Tensor Core efficiency at multiples of 64 elements
 SETUPS = ("float32", "mixed_bfloat16", "autocast_bfloat16")
+# FP8 matmuls through autocast, one per recipe (opt-in: --policies; see docs/fp8.md).
+FP8_SETUPS = {
+    f"autocast_fp8_{scaling}": jaxamp.Float8Recipe(scaling)
+    for scaling in ("tensorwise", "rowwise", "blockwise", "mxfp8")
+}
+ALL_SETUPS = (*SETUPS, *FP8_SETUPS)
 
 
 def load_text(max_chars: int | None = None) -> str:
@@ -192,12 +198,14 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
 
 def build(setup: str, dims: dict[str, int], seed: int) -> tuple[CharTransformer, Any]:
     """The model and loss function of a setup (same initial weights for every setup)."""
-    if setup not in SETUPS:
-        raise ValueError(f"unknown setup {setup!r}; valid: {', '.join(SETUPS)}.")
+    if setup not in ALL_SETUPS:
+        raise ValueError(f"unknown setup {setup!r}; valid: {', '.join(ALL_SETUPS)}.")
     layer_policy = jaxamp.get_policy("mixed_bfloat16" if setup == "mixed_bfloat16" else "float32")
     model = CharTransformer(layer_policy, rngs=nnx.Rngs(seed), **dims)
     if setup == "autocast_bfloat16":
         return model, _common.autocast_loss(next_char_loss, "mixed_bfloat16")
+    if setup in FP8_SETUPS:
+        return model, _common.autocast_loss(next_char_loss, FP8_SETUPS[setup])
     return model, next_char_loss
 
 
@@ -266,6 +274,7 @@ def train(
         "skipped": int(jaxamp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]),
         "residual_bytes": residuals,
         "bf16_share": report.fraction_in(jnp.bfloat16),
+        "fp8_share": report.fp8_fraction,
         "misaligned": len(report.misaligned),
         "matmuls": len(report.matmuls),
         "step_ms": 1e3 * train_seconds / args.steps,
@@ -363,7 +372,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=None, help="steps (50; --fast: 6)")
     parser.add_argument("--eval-windows", type=int, default=64, help="validation sequences")
     parser.add_argument(
-        "--policies", default=",".join(SETUPS), help=f"comma-separated, from: {', '.join(SETUPS)}"
+        "--policies",
+        default=",".join(SETUPS),
+        help=f"comma-separated, from: {', '.join(ALL_SETUPS)} (default: the first three)",
     )
     parser.add_argument("--prompt", default="def ", help="start of the generated sample")
     parser.add_argument("--sample-chars", type=int, default=200)
@@ -386,9 +397,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.fast:
         args.sample_chars = min(args.sample_chars, 40)
     args.setups = [s.strip() for s in args.policies.split(",") if s.strip()]
-    unknown = [s for s in args.setups if s not in SETUPS]
+    unknown = [s for s in args.setups if s not in ALL_SETUPS]
     if unknown or not args.setups:
-        valid = ", ".join(SETUPS)
+        valid = ", ".join(ALL_SETUPS)
         parser.error(f"--policies: unknown {unknown or args.policies!r}; valid: {valid}")
     for key in ("steps", "batch_size", "context", "width", "layers", "head_dim", "eval_every"):
         if getattr(args, key) < 1:

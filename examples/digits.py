@@ -64,7 +64,12 @@ SETUPS: dict[str, tuple[str, bool]] = {
     "autocast_bfloat16": ("float32", False),
 }
 # Setups whose float32 model runs its loss under jaxamp.autocast(loss, policy).
-AUTOCAST = {"autocast_bfloat16": "mixed_bfloat16"}
+AUTOCAST: dict[str, Any] = {"autocast_bfloat16": "mixed_bfloat16"}
+DEFAULT_SETUPS = tuple(SETUPS)
+# FP8 matmuls and convolutions, one per recipe (opt-in: --policies; docs/fp8.md).
+for _scaling in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+    SETUPS[f"autocast_fp8_{_scaling}"] = ("float32", False)
+    AUTOCAST[f"autocast_fp8_{_scaling}"] = jaxamp.Float8Recipe(_scaling)
 # torch's GradScaler grows the scale every 2000 finite steps; these runs are only
 # 600 steps long, so the scale may grow every 200 to show the whole trajectory.
 GROWTH_INTERVAL = 200
@@ -262,8 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="batch size (128; --fast: 32)")
     parser.add_argument(
         "--policies",
-        default=",".join(SETUPS),
-        help=f"comma-separated setups, from: {', '.join(SETUPS)}",
+        default=",".join(DEFAULT_SETUPS),
+        help=f"comma-separated setups, from: {', '.join(SETUPS)} (default: the first five)",
     )
     parser.add_argument(
         "--out",

@@ -105,7 +105,7 @@ def measure_underflow(data: dict, batch_size: int, seed: int, weight: float) -> 
         if op.scaled and np.dtype(op.dtype).itemsize == 2:  # float16 cotangents
             size = float(np.prod(op.shape)) * op.executions
             flushed, total = layers.setdefault(op.source, [0.0, 0.0])
-            layers[op.source] = [flushed + op.underflow_fraction * size, total + size]
+            layers[op.source] = [flushed + op.lost_fraction * size, total + size]
     rows = [
         {
             "layer": f"`{_code_at(source)}`",

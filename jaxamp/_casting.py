@@ -1,4 +1,5 @@
-"""Casting the floating-point leaves of a pytree, and nothing else."""
+"""Dtype helpers: casting the floating-point leaves of a pytree (and nothing else),
+dtype names, and widening narrow floats to float32."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["canonical_float_dtype", "cast_floating", "is_floating", "widen"]
+from jaxamp._engine._trace import ARRAY_TYPES
 
-# Types whose leaves carry a dtype that casting may change. Tracers are jax.Array
-# instances, so this covers values inside jit/grad/vmap too.
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+__all__ = ["canonical_float_dtype", "cast_floating", "is_floating", "is_narrow", "widen"]
+
+# Leaves whose dtype casting may change: arrays (the engine's ARRAY_TYPES, tracers
+# included) and the avals of jax.eval_shape.
+_CASTABLE_TYPES = (*ARRAY_TYPES, jax.ShapeDtypeStruct)
 
 
 # Short names accepted wherever a dtype is (jmp's spellings).
@@ -62,16 +65,21 @@ def is_floating(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
+def is_narrow(x: Any) -> bool:
+    """Whether ``x`` is a float narrower than 32 bits (16-bit, 8-bit)."""
+    return is_floating(x) and jnp.dtype(x.dtype).itemsize < 4
+
+
 def widen(x: Any) -> Any:
     """``x`` in float32 when it is a float narrower than 32 bits, else unchanged.
 
     Loss scaling multiplies, sums and all-reduces 16-bit gradients in float32, so
     that neither a scale above float16's maximum nor a sum of micro-batches
-    overflows or loses the small values the scale protected.
+    overflows or loses the small values the scale protected; the numerics report
+    computes its float32 shadow from it; the low-precision optimizer runs its
+    inner optimizer on it.
     """
-    if is_floating(x) and jnp.dtype(x.dtype).itemsize < 4:
-        return x.astype(jnp.float32)
-    return x
+    return x.astype(jnp.float32) if is_narrow(x) else x
 
 
 def _check_x64(dtype: np.dtype) -> None:
@@ -85,7 +93,7 @@ def _check_x64(dtype: np.dtype) -> None:
 
 
 def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
-    if not isinstance(x, _ARRAY_TYPES):
+    if not isinstance(x, _CASTABLE_TYPES):
         return x  # Python scalars, strings and other non-array leaves.
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
         return x

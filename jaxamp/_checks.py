@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 __all__ = [
     "INT32_MAX",
@@ -22,6 +23,7 @@ __all__ = [
     "check_int_in_range",
     "check_python_int",
     "check_static",
+    "check_transformation",
     "is_int",
 ]
 
@@ -105,6 +107,21 @@ def check_callable(fun: Any, name: str = "fun") -> None:
     """
     if not callable(fun):
         raise TypeError(f"{name} must be callable; got {type(fun).__name__}: {fun!r}.")
+
+
+def check_transformation(value: Any, name: str) -> None:
+    """Raises a ``TypeError`` unless ``value`` is an optax transformation.
+
+    >>> from jaxamp._checks import check_transformation
+    >>> check_transformation(3, "tx")
+    Traceback (most recent call last):
+    TypeError: tx must be an optax.GradientTransformation such as optax.adam(1e-3); got int: 3.
+    """
+    if not isinstance(value, optax.GradientTransformation):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation such as optax.adam(1e-3); "
+            f"got {type(value).__name__}: {value!r}."
+        )
 
 
 def check_bool(value: Any, name: str) -> bool:

@@ -10,11 +10,12 @@ saved state.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 from flax import serialization
 
-from jaxamp._loss_scaling._scales import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling._scales import LossScale
 
 
 def _to_state_dict(scale: Any) -> dict[str, Any]:
@@ -35,5 +36,5 @@ def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
     return type(target)(**values)
 
 
-for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+for _cls in typing.get_args(LossScale):
     serialization.register_serialization_state(_cls, _to_state_dict, _from_state_dict)

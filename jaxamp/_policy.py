@@ -179,13 +179,22 @@ def get_policy(spec: Policy | str | Any) -> Policy:
     )
 
 
+_FP8_NOTE = (
+    " It also has FP8 Tensor Cores (twice the bfloat16 rate on Hopper): "
+    "jaxamp.autocast(fun, 'mixed_float8') or a jaxamp.Float8Recipe runs its matmuls "
+    "in FP8 (docs/fp8.md)."
+)
+
+
 def policy_for_device(
     device: jax.Device | None = None, *, with_reason: bool = False
 ) -> Policy | tuple[Policy, str]:
     """The policy to train with on ``device`` (default: ``jax.devices()[0]``).
 
     ``mixed_bfloat16`` on TPUs, on NVIDIA GPUs of compute capability 8.0 or
-    newer (Ampere, Hopper, Blackwell) and on AMD GPUs; ``mixed_float16`` (which
+    newer (Ampere, Hopper, Blackwell) and on AMD GPUs (the reason mentions
+    ``"mixed_float8"`` from compute capability 8.9, Ada and Hopper, up: FP8 Tensor
+    Cores; on a CPU FP8 runs emulated, slower); ``mixed_float16`` (which
     needs loss scaling) on NVIDIA GPUs of compute capability 7.x (Volta,
     Turing); ``float32`` elsewhere, including CPUs.
 
@@ -218,6 +227,8 @@ def policy_for_device(
                 f"{kind} (compute capability {capability}) has bfloat16 Tensor Cores; "
                 "bfloat16 keeps float32's range, so no loss scaling is needed."
             )
+            if major >= 8.9:
+                reason += _FP8_NOTE
         elif major >= 7.0:
             name = "mixed_float16"
             reason = (
@@ -233,7 +244,9 @@ def policy_for_device(
         name = "float32"
         reason = (
             f"{platform} device: no Tensor Cores. 16-bit compute only pays on a CPU "
-            "with float32 accumulation (see jaxamp.autocast); float32 is the safe default."
+            "with float32 accumulation (see jaxamp.autocast); float32 is the safe default. "
+            "FP8 (autocast(fun, 'mixed_float8')) runs emulated on a CPU: the same numbers, "
+            "slower than float32."
         )
     policy = get_policy(name)
     return (policy, reason) if with_reason else policy

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +51,9 @@ class MatmulInfo:
       aligned: dim name -> whether it is a multiple of ``multiple``.
       count: how many times it runs (scan trip counts multiplied; a while loop
         counts once).
+      fp8_recipe: for an FP8 product of ``autocast(fun, jaxamp.Float8Recipe(...))``
+        its scaling (``"tensorwise"``, ``"rowwise"``, ``"blockwise"``,
+        ``"mxfp8"``, with ``"+pow2"`` for power-of-two scales); else ``""``.
     """
 
     primitive: str
@@ -64,6 +68,7 @@ class MatmulInfo:
     multiple: int
     aligned: dict[str, bool]
     count: int = 1
+    fp8_recipe: str = ""
 
     @property
     def compute_dtype(self) -> str:
@@ -74,6 +79,11 @@ class MatmulInfo:
     @property
     def is_aligned(self) -> bool:
         return all(self.aligned.values())
+
+    @property
+    def is_fp8(self) -> bool:
+        """Both operands are 8-bit floats."""
+        return all(np.dtype(d).itemsize == 1 and "float8" in d for d in self.operand_dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,12 @@ class PrecisionReport:
     def total_flops(self) -> int:
         return sum(m.flops for m in self.matmuls)
 
+    @property
+    def fp8_fraction(self) -> float:
+        """The fraction of matmul/conv FLOPs with float8 operands (0.0 if none)."""
+        total = self.total_flops
+        return 0.0 if total == 0 else sum(m.flops for m in self.matmuls if m.is_fp8) / total
+
     def fraction_in(self, dtype: Any) -> float:
         """The fraction of matmul/conv FLOPs whose operands are ``dtype`` (1.0 if none)."""
         name = np.dtype(dtype).name
@@ -126,7 +142,9 @@ class PrecisionReport:
                     _short(m.accumulation_dtype),
                     _short(m.out_dtype),
                     _si(m.flops),
-                    dims + (f" (x{m.count})" if m.count != 1 else ""),
+                    dims
+                    + (f" (x{m.count})" if m.count != 1 else "")
+                    + (f" fp8:{m.fp8_recipe}" if m.fp8_recipe else ""),
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -142,6 +160,12 @@ class PrecisionReport:
             + (f" ({shares})" if total else "")
             + f"; {len(self.misaligned)} with a misaligned dim"
         )
+        if any(m.is_fp8 for m in self.matmuls):
+            recipes = sorted({m.fp8_recipe for m in self.matmuls if m.fp8_recipe})
+            lines.append(
+                f"FP8: {100.0 * self.fp8_fraction:.1f}% of FLOPs"
+                + (f" ({', '.join(recipes)})" if recipes else "")
+            )
         return "\n".join(lines)
 
 
@@ -153,7 +177,14 @@ def _si(n: int) -> str:
 
 
 _OP_NAMES = {"dot_general": "dot", "conv_general_dilated": "conv", "ragged_dot_general": "ragged"}
-_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+_SHORT = {
+    "float32": "f32",
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "float64": "f64",
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+}
 
 
 def _short(name: str) -> str:
@@ -202,6 +233,7 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
     preferred = eqn.params.get("preferred_element_type")
     accumulation = np.dtype(preferred if preferred is not None else out.dtype).name
     wider = lhs.dtype if np.dtype(lhs.dtype).itemsize >= np.dtype(rhs.dtype).itemsize else rhs.dtype
+    scope = _FP8_SCOPE.search(str(eqn.source_info.name_stack))
     multiple = tensor_core_multiple(wider)
     return MatmulInfo(
         primitive=eqn.primitive.name,
@@ -216,8 +248,12 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
         multiple=multiple,
         aligned={k: v % multiple == 0 for k, v in dims.items()},
         count=count,
+        fp8_recipe=scope.group(1).replace("_pow2", "+pow2") if scope else "",
     )
 
+
+# autocast's FP8 products run in a name scope that names their recipe (jaxamp/_fp8).
+_FP8_SCOPE = re.compile(r"fp8_((?:tensorwise|rowwise|blockwise|mxfp8)(?:_pow2)?)")
 
 _MATMUL_INFO = {
     "dot_general": _dot_info,

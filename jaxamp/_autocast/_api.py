@@ -17,6 +17,7 @@ from jaxamp._autocast._remat import save_narrow_values
 from jaxamp._autocast._values import PLAIN, cast, is_float
 from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._engine._trace import trace
+from jaxamp._fp8 import Float8Recipe, as_recipe
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["autocast"]
@@ -37,7 +38,7 @@ def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
 
 def autocast(
     fun: Callable,
-    policy: Policy | str | Any = "mixed_bfloat16",
+    policy: Policy | Float8Recipe | str | Any = "mixed_bfloat16",
     *,
     rules: Mapping | None = None,
     pad_to: int | str | None = None,
@@ -62,7 +63,10 @@ def autocast(
     Args:
       fun: the function; its array arguments (JAX or NumPy arrays, anywhere in
         pytrees) are traced, other leaves (Python scalars, strings) are static.
-      policy: a ``jaxamp.Policy`` or anything ``jaxamp.get_policy`` accepts.
+      policy: a ``jaxamp.Policy`` or anything ``jaxamp.get_policy`` accepts; or
+        FP8 matmuls: a ``jaxamp.Float8Recipe``, or ``"mixed_float8"`` (its
+        defaults). Everything else then runs as under the recipe's 16-bit
+        compute dtype (docs/fp8.md).
       rules: overrides ``{primitive or name: "compute" | "float32" | "follow" |
         "keep" | "recurse" | callable}``; a callable is a custom rule, called as
         ``rule(context, eqn, *args)`` with a :class:`jaxamp.AutocastContext`,
@@ -97,7 +101,8 @@ def autocast(
     {'bfloat16': 48}
     """
     check_callable(fun)
-    policy = get_policy(policy)
+    recipe = as_recipe(policy)  # "mixed_float8" or a Float8Recipe: FP8 matmuls
+    policy = recipe.policy if recipe is not None else get_policy(policy)
     table = rule_table(rules)
     multiple = _pad_multiple(pad_to, policy)
     remat = check_bool(remat_float32, "remat_float32")
@@ -106,7 +111,7 @@ def autocast(
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):
         closed, arrays, out_tree = trace(fun, args, kwargs)
-        autocaster = Autocaster(policy, table, multiple)
+        autocaster = Autocaster(policy, table, multiple, fp8=recipe)
 
         def run(*dyn):
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]

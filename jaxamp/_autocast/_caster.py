@@ -10,6 +10,7 @@ and how each rule kind treats them.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from jaxamp._autocast._values import (
 from jaxamp._autocast._wide import breaks_in, feeds_reduction, is_constant
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
+from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
 
 __all__ = [
@@ -58,11 +60,18 @@ class Autocaster:
     traced with a warning.
     """
 
-    def __init__(self, policy: Policy, table: Mapping[str, Rule], pad_to: int | None):
+    def __init__(
+        self,
+        policy: Policy,
+        table: Mapping[str, Rule],
+        pad_to: int | None,
+        fp8: Float8Recipe | None = None,
+    ):
         self.policy = policy
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.table = table
         self.pad_to = pad_to
+        self.fp8 = fp8  # a Float8Recipe: dots and convs run in FP8 (jaxamp/_fp8)
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
@@ -221,15 +230,20 @@ def keep(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
 
 def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """A contraction on compute-dtype factors with float32 accumulation (``_matmul``)."""
-    (lhs, _), (rhs, _), *rest = ins
+    (lhs, lhs_role), (rhs, rhs_role), *rest = ins
     if not (is_float(lhs) and is_float(rhs)):
         return follow(ac, eqn, ins)
-    lhs, rhs = cast(lhs, ac.compute_dtype), cast(rhs, ac.compute_dtype)
+    if ac.fp8 is not None and eqn.primitive.name in FP8_PRIMITIVES:
+        plain = (lhs_role == PLAIN, rhs_role == PLAIN)
+        lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain)
+    else:
+        lhs, rhs = cast(lhs, ac.compute_dtype), cast(rhs, ac.compute_dtype)
+        matmul = functools.partial(run_matmul, transposable=ac.transposable)
     unpad = None
     if ac.pad_to is not None:
         lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)
     extra = [v for v, _ in rest]
-    out = run_matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype, transposable=ac.transposable)
+    out = matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype)
     if unpad is not None:
         out = unpad(out)
     return [(out, ACTIVATION)]

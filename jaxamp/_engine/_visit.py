@@ -1,8 +1,8 @@
 """The one way into the jaxprs that higher-order equations hold.
 
-A tool is a table ``{primitive name: rule}`` whose rules are called with the
-equation (by the ``apply`` of ``_interpreter.eval_jaxpr``). For the higher-order primitives the
-engine knows, the rules come from one place:
+A tool is a table ``{primitive name: rule}``; its ``apply`` callback of
+``_interpreter.eval_jaxpr`` looks each equation's rule up once and calls it.
+For the higher-order primitives the engine knows, the rules come from one place:
 
 - ``structured_rules(inline=, scan=, while_=, cond=)`` builds the entries of a
   tool that enters sub-jaxprs by *structure*: every call-like primitive

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 
 from jaxamp._casting import is_floating, widen
 from jaxamp._checks import check_int_in_range, check_static
-from jaxamp._loss_scaling._finite import check_finite_flag, select
+from jaxamp._loss_scaling._finite import all_finite, check_finite_flag, select
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
@@ -77,6 +78,29 @@ class _Scaling:
         reciprocal = 1 / self.loss_scale  # once, not once per leaf
         return jax.tree.map(lambda x: _multiply(x, reciprocal), tree)
 
+    def unscale_keeps_finiteness(self) -> bool:
+        """Whether ``unscale(g)`` is finite exactly where ``g`` is, whatever the state.
+
+        True when the scale can never be below 1 (see ``raw_grads_finite``); a
+        scale whose value is free array state may be below 1.
+        """
+        return False
+
+    def raw_grads_finite(self, raw: Any) -> jax.Array:
+        """The step's finite flag read off the raw (scaled) grads.
+
+        Unscaling multiplies by ``r = 1 / scale``. With ``scale >= 1``,
+        ``0 <= r <= 1``: a finite ``g`` stays finite (``|g * r| <= |g|``, also after
+        rounding back to a 16-bit dtype) and inf or NaN stays non-finite
+        (``inf * r`` is inf, or NaN if ``r`` flushed to 0). A scale below 1 (built
+        from an out-of-range array) gives False: the step is skipped, and a
+        dynamic scale's ``adjust`` clamps it back up to ``min_loss_scale``. Checking
+        the raw grads lets the unscaling multiply fuse into the optimizer's
+        kernels instead of being kept as one buffer per leaf for the check
+        (BENCHMARKS.md, "Why the numbers are what they are").
+        """
+        return all_finite(raw) & (self.loss_scale >= 1.0)
+
 
 def _multiply(x: Any, factor: jax.Array) -> Any:
     """``x * factor`` in at least float32, rounded back to ``x``'s dtype once."""
@@ -112,6 +136,14 @@ class NoOpLossScale:
         """Returns ``self``: a no-op scale never changes."""
         check_finite_flag(grads_finite)
         return self
+
+    def unscale_keeps_finiteness(self) -> bool:
+        """True: unscaling changes nothing."""
+        return True
+
+    def raw_grads_finite(self, raw: Any) -> jax.Array:
+        """The step's finite flag: the raw grads are the unscaled ones."""
+        return all_finite(raw)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -225,6 +257,10 @@ class DynamicLossScale(_Scaling):
         counter = select(grads_finite & ~grow, finite_steps, jnp.zeros_like(finite_steps))
         return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
 
+    def unscale_keeps_finiteness(self) -> bool:
+        """True when ``min_loss_scale >= 1``: the scale stays in ``[min, max]``."""
+        return self.min_loss_scale >= 1.0
+
 
 def _register(cls: type) -> None:
     """Registers ``cls`` as a pytree whose unflatten does not re-run ``__post_init__``.
@@ -254,7 +290,7 @@ def _register(cls: type) -> None:
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 
 
-for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
-    _register(_cls)
-
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+
+for _cls in typing.get_args(LossScale):
+    _register(_cls)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._casting import is_floating, widen
-from jaxamp._checks import is_int
+from jaxamp._checks import check_transformation, is_int
 from jaxamp._loss_scaling._finite import all_finite, select, select_tree
-from jaxamp._loss_scaling._scales import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale
 from jaxamp._loss_scaling._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
 from jaxamp._loss_scaling._state import AccumulationState, LossScalingState
 
@@ -30,12 +30,15 @@ class _Config:
     grad_reduction: str | None
     accumulation_steps: int
     max_consecutive_skips: int | None
+    # inner takes float32 grads for 16-bit params (low_precision_optimizer):
+    # unscaling back into float16 would flush what the scale protected.
+    float32_grads: bool = False
 
 
 def _check_loss_scale(loss_scale: Any) -> Any:
     if loss_scale is None:
         return DynamicLossScale()
-    if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
+    if not isinstance(loss_scale, LossScale):
         raise TypeError(
             "loss_scale must be a jaxamp.NoOpLossScale, StaticLossScale or "
             f"DynamicLossScale; got {type(loss_scale).__name__}: {loss_scale!r}."
@@ -59,11 +62,7 @@ def _make_config(
     accumulation_steps: Any,
     max_consecutive_skips: Any,
 ) -> _Config:
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "inner must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"got {type(inner).__name__}: {inner!r}."
-        )
+    _check_inner(inner)
     _check_axis_name(axis_name)
     if grad_reduction not in _GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be None, 'mean' or 'sum'; got {grad_reduction!r}.")
@@ -80,7 +79,19 @@ def _make_config(
         grad_reduction=grad_reduction,
         accumulation_steps=int(accumulation_steps),
         max_consecutive_skips=check_max_consecutive_skips(max_consecutive_skips),
+        float32_grads=getattr(inner, "takes_float32_grads", False) is True,
     )
+
+
+def _check_inner(inner: Any) -> None:
+    if isinstance(inner, optax.MultiSteps):
+        raise TypeError(
+            "inner must be an optax.GradientTransformation; got optax.MultiSteps, which "
+            "is not one. Use loss_scaling(tx, accumulation_steps=k) to accumulate "
+            "gradients (the loss scale then stays constant over the window), or pass "
+            "the MultiSteps' .gradient_transformation()."
+        )
+    check_transformation(inner, "inner")
 
 
 def loss_scaling(
@@ -95,7 +106,10 @@ def loss_scaling(
     """Wraps ``inner`` with loss scaling and skipping of non-finite steps.
 
     ``update`` takes the gradients of the SCALED loss (``loss * loss_scale``):
-    it unscales them (in float32 for 16-bit leaves; each leaf keeps its dtype),
+    it unscales them (in float32 for 16-bit leaves; each leaf keeps its dtype,
+    except that :func:`jaxamp.low_precision_optimizer` as ``inner`` gets the
+    grads of 16-bit params in float32, so that small float16 gradients are not
+    flushed to zero on the way),
     checks once over all leaves that they are finite, adjusts the loss scale kept
     in the state, and applies ``inner`` only on a finite step. On a skipped step
     the updates are exact zeros and ``inner``'s state comes back bit-identical.
@@ -158,7 +172,8 @@ def loss_scaling(
     def update_fn(updates, state, params=None, **extra_args):
         _check_state(state)
         single = config.accumulation_steps == 1
-        grads = _unscale(updates, state.loss_scale, config, keep_dtype=single)
+        keep_dtype = single and not config.float32_grads
+        grads = _unscale(updates, state.loss_scale, config, keep_dtype=keep_dtype)
         finite = _finite_flag(updates, grads, state.loss_scale, config)
         if single:
             new_updates, new_state = _step(config, grads, finite, state, params, extra_args)
@@ -226,34 +241,19 @@ def _unscale(updates: Any, loss_scale: Any, config: _Config, *, keep_dtype: bool
 def raw_grads_checkable(loss_scale: Any, grad_reduction: str | None) -> bool:
     """Whether the unscaled grads are finite exactly where the raw (scaled) ones are.
 
-    Checking the raw grads lets the unscaling multiply fuse into the optimizer's
-    kernels instead of being kept as one buffer per leaf for the check (fewer
-    kernels to compile and run; BENCHMARKS.md, "Why the numbers are what they
-    are"). Unscaling
-    multiplies by ``r = 1 / scale``. With ``scale >= 1``, ``0 <= r <= 1``: a finite
-    ``g`` stays finite (``|g * r| <= |g|``, also after rounding back to a 16-bit
-    dtype) and inf or NaN stays non-finite (``inf * r`` is inf, or NaN if ``r``
-    flushed to 0). A static scale's value is array state and may be below 1; a
-    reduced gradient is a different array from the raw one: neither qualifies.
+    The scale decides (``loss_scale.unscale_keeps_finiteness()``, see
+    ``raw_grads_finite`` in ``_scales.py``), unless the grads are reduced: a
+    reduced gradient is a different array from the raw one.
     """
-    if grad_reduction is not None:
-        return False
-    if isinstance(loss_scale, NoOpLossScale):
-        return True
-    return isinstance(loss_scale, DynamicLossScale) and loss_scale.min_loss_scale >= 1.0
+    return grad_reduction is None and loss_scale.unscale_keeps_finiteness()
 
 
 def _finite_flag(raw: Any, grads: Any, loss_scale: Any, config: _Config) -> jax.Array:
     """One bool for the step: every grad finite (on every device with ``axis_name``)."""
-    if not raw_grads_checkable(loss_scale, config.grad_reduction):
-        finite = all_finite(grads)
-    elif isinstance(loss_scale, DynamicLossScale):
-        # The scale stays in [min_loss_scale, max] by construction, unless it was
-        # built from an out-of-range array; then skip, and adjust() clamps it back
-        # up to min_loss_scale.
-        finite = all_finite(raw) & (loss_scale.loss_scale >= 1.0)
+    if raw_grads_checkable(loss_scale, config.grad_reduction):
+        finite = loss_scale.raw_grads_finite(raw)
     else:
-        finite = all_finite(raw)
+        finite = all_finite(grads)
     if config.axis_name is not None:
         # A skip anywhere is a skip everywhere: min over the devices' flags.
         finite = jax.lax.pmin(finite.astype(jnp.int32), config.axis_name).astype(bool)
@@ -336,7 +336,7 @@ def _accumulate(
     grad_sum = _add_finite(acc.grad_sum, grads, finite)
     window_finite = acc.window_finite & finite
     end = acc.mini_step == config.accumulation_steps - 1
-    mean = _window_mean(grad_sum, grads, raw, config.accumulation_steps)
+    mean = _window_mean(grad_sum, grads, raw, config)
     new_updates, inner_state = _gated_update(
         config.inner, mean, end & window_finite, state.inner_state, params, extra_args
     )
@@ -374,10 +374,20 @@ def _add_finite(grad_sum: Any, grads: Any, finite: jax.Array) -> Any:
     return _map_sum(lambda s, g: select(finite, s + widen(g), s), grad_sum, grads)
 
 
-def _window_mean(grad_sum: Any, grads: Any, raw: Any, steps: int) -> Any:
-    """The window's mean gradient in each raw grad's own dtype (non-floating grads pass)."""
+def _window_mean(grad_sum: Any, grads: Any, raw: Any, config: _Config) -> Any:
+    """The window's mean gradient in each raw grad's own dtype (non-floating grads pass).
+
+    In float32 for an ``inner`` that takes float32 grads (``config.float32_grads``).
+    """
+    steps = config.accumulation_steps
+
+    def mean(s, g, u):
+        if s is None:
+            return g
+        return s / steps if config.float32_grads else (s / steps).astype(u.dtype)
+
     return jax.tree.map(
-        lambda s, g, u: g if s is None else (s / steps).astype(u.dtype),
+        mean,
         grad_sum,
         grads,
         raw,

@@ -18,7 +18,14 @@ import numpy as np
 
 from jaxamp._casting import canonical_float_dtype
 
-__all__ = ["SIXTEEN_BIT_DTYPES", "check_sixteen_bit", "round_with_bits", "stochastic_round"]
+__all__ = [
+    "SIXTEEN_BIT_DTYPES",
+    "check_sixteen_bit",
+    "counter_bits",
+    "mix32",
+    "round_with_bits",
+    "stochastic_round",
+]
 
 SIXTEEN_BIT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -32,6 +39,39 @@ def check_sixteen_bit(dtype: Any, argument: str) -> np.dtype:
             f"got {result.name}. Use jnp.bfloat16 (or jnp.float16) to store 16-bit values."
         )
     return result
+
+
+def mix32(x: Any) -> Any:
+    """A bijection of uint32 with full avalanche: Wellons' "lowbias32" integer hash.
+
+    Every output bit flips with probability close to 1/2 when any input bit
+    flips, so consecutive counters give bits that pass as independent uniform
+    draws for stochastic rounding (tests/unit/test_low_precision.py checks the
+    rounding statistics).
+    """
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def counter_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 bits for an array of ``shape``: ``mix32(element index ^ key)``.
+
+    Counter-based: element ``i`` of every call with the same ``key`` gets the same
+    bits, on any device and under any sharding, and the work is a few integer
+    operations per element that fuse into the elementwise update that uses them
+    (with threefry, ``jax.random.bits``, the step was several times slower:
+    BENCHMARKS.md, "low_precision"). Indices wrap at 2**32 elements per array.
+
+    Args:
+      key: a uint32 scalar, already mixed from the seed, step and array.
+      shape: the shape of the bits.
+    """
+    size = int(np.prod(shape, dtype=np.int64))
+    index = jax.lax.iota(jnp.uint32, size).reshape(shape)
+    return mix32(index ^ key)
 
 
 def _as_float32(x: Any) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -13,10 +14,13 @@ import numpy as np
 from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
-from jaxamp._engine._trace import flatten_call, is_array
-from jaxamp._numerics._instrument import NEVER, instrumented
-from jaxamp._numerics._sites import Site, catalog
-from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
+from jaxamp._engine._trace import is_array
+from jaxamp._fp8 import as_recipe
+from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
+from jaxamp._numerics._instrument import all_finite_flag, instrumented
+from jaxamp._numerics._sites import catalog
+from jaxamp._numerics._summary import summarise
+from jaxamp._numerics._types import NumericsReport
 from jaxamp._policy import get_policy
 
 __all__ = ["numerics_report", "prepare"]
@@ -28,6 +32,7 @@ def numerics_report(
     policy: Any = None,
     grad: bool = False,
     loss_scale: float | None = None,
+    has_aux: bool = False,
     **kwargs: Any,
 ) -> NumericsReport:
     """Runs ``fun(*args, **kwargs)`` once, measuring the range of every floating op.
@@ -38,6 +43,11 @@ def numerics_report(
     and the source line; it names the op where the first inf/NaN was born and,
     with ``grad=True``, suggests a loss scale. The program runs instrumented under
     one ``jax.jit`` (statistics are extra outputs and loop carries).
+
+    The compiled program is cached per function, array shapes and dtypes,
+    non-array arguments, policy, ``grad`` and ``has_aux`` (not per loss scale), so
+    calling it again on the next batch of a training run costs one run, not a
+    compile.
 
     Args:
       fun: the function (a model's apply or a loss). Array leaves of the arguments
@@ -50,6 +60,8 @@ def numerics_report(
         gradient with respect to the floating arrays of the first argument, with the
         loss multiplied by ``loss_scale`` first (as a loss-scaled train step does).
       loss_scale: the loss scale for ``grad=True`` (a positive number, default 1).
+      has_aux: as in ``jax.value_and_grad``: ``fun`` returns ``(loss, aux)``; ops
+        that only ``aux`` depends on are in phase ``"state"``.
       **kwargs: keyword arguments of ``fun``.
 
     Returns:
@@ -57,7 +69,8 @@ def numerics_report(
 
     Raises:
       TypeError: ``fun`` is not callable, or with ``grad=True`` it does not return
-        a floating scalar or its first argument has no floating array.
+        a floating scalar (or ``(loss, aux)`` with ``has_aux=True``) or its first
+        argument has no floating array.
       ValueError: a bad ``loss_scale``, or ``loss_scale`` without ``grad=True``.
 
     >>> import jax.numpy as jnp, jaxamp
@@ -68,37 +81,120 @@ def numerics_report(
     >>> report.first_nonfinite.primitive  # 1200**2 overflows float16
     'integer_pow'
     """
-    run, inputs, finish = prepare(fun, args, kwargs, policy, grad, loss_scale)
+    run, inputs, finish = prepare(fun, args, kwargs, policy, grad, loss_scale, has_aux)
     return finish(*jax.device_get(run(*inputs)))
 
 
-def prepare(fun, args, kwargs, policy, grad, loss_scale) -> tuple[Callable, list, Callable]:
+def prepare(
+    fun, args, kwargs, policy, grad, loss_scale, has_aux=False
+) -> tuple[Callable, list, Callable]:
     """``(run, inputs, finish)``: ``finish(*run(*inputs))`` is the report.
 
-    ``run`` is the jitted, instrumented program (what ``benchmarks/numerics_cost.py``
-    times against a plain ``value_and_grad``); ``finish`` turns its statistics
-    (host arrays) into a :class:`NumericsReport`.
+    ``run`` is the compiled, instrumented program (what ``benchmarks/numerics_cost.py``
+    times against a plain ``value_and_grad``), cached across calls; ``finish`` turns
+    its statistics (host arrays) into a :class:`NumericsReport`.
     """
-    check_callable(fun)
+    check_options(fun, has_aux)
     scale = _check_loss_scale(loss_scale, grad)
-    if policy is not None:
-        fun = autocast(fun, get_policy(policy))
-    call, dynamic = flatten_call(fun, args, kwargs)
-    if grad:
-        program, inputs = _gradient_program(call, args, dynamic, scale)
-    else:
-        program, inputs = call, dynamic
-    closed = jax.make_jaxpr(program)(*inputs)
-    tainted = [False] * len(inputs)
-    if grad:
-        tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
-    primal = [not grad or i == 0 for i in range(len(closed.jaxpr.outvars))]
-    sites = catalog(closed, tainted, primal)
+    resolved = None if policy is None else (as_recipe(policy) or get_policy(policy))
+    traced = TracedCall(fun, args, kwargs, resolved, grad, has_aux)
+    inputs = traced.inputs(jnp.asarray(scale, jnp.float32))
+    key = cache_key(fun, resolved, grad, has_aux, traced.treedef, traced.static, traced.dynamic)
 
-    def finish(floats, ints) -> NumericsReport:
-        return _summarise(sites, np.asarray(floats), np.asarray(ints), scale if grad else None)
+    def build() -> Compiled:
+        closed, sites = traced.catalogued(inputs)
 
-    return instrumented(closed, sites), inputs, finish
+        def make():
+            return jax.jit(measuring(closed, sites))
+
+        return Compiled(compile_with_fallback(make, inputs), sites, traced.paths())
+
+    compiled = cached(key, build)
+
+    def finish(floats, ints, finite) -> NumericsReport:
+        return finish_report(compiled, floats, ints, finite, scale if grad else None)
+
+    return compiled.run, inputs, finish
+
+
+def check_options(fun: Any, has_aux: Any) -> None:
+    check_callable(fun)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be True or False; got {has_aux!r}.")
+
+
+def measuring(closed, sites) -> Callable:
+    """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite."""
+    measure = instrumented(closed, sites)
+    return lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a]))
+
+
+def finish_report(compiled: Compiled, floats, ints, finite, scale) -> NumericsReport:
+    """The report from one run's statistics (host arrays)."""
+    flags = np.asarray(finite)
+    bad = tuple(p for p, ok in zip(compiled.paths, flags, strict=False) if not ok)
+    return summarise(compiled.sites, np.asarray(floats), np.asarray(ints), scale, bad)
+
+
+class TracedCall:
+    """``fun`` on these arguments: array leaves traced, the rest static, then cataloged."""
+
+    def __init__(self, fun, args, kwargs, resolved, grad, has_aux):
+        self.fun, self.args, self.grad, self.has_aux = fun, args, grad, has_aux
+        self.wrapped = autocast(fun, resolved) if resolved is not None else fun
+        self.flat, self.treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [leaf for _, leaf in self.flat]
+        self.is_dynamic = [is_array(leaf) for leaf in leaves]
+        self.leaves = leaves
+        pairs = list(zip(leaves, self.is_dynamic, strict=True))
+        self.dynamic = [leaf for leaf, d in pairs if d]
+        self.static = [leaf for leaf, d in pairs if not d]
+
+    def inputs(self, seed: Any) -> list:
+        """The program's arguments: the array leaves, then (``grad``) the float32 seed."""
+        return [*self.dynamic, seed] if self.grad else list(self.dynamic)
+
+    def call(self, *dyn):
+        it = iter(dyn)
+        pairs = zip(self.leaves, self.is_dynamic, strict=True)
+        full = [next(it) if d else leaf for leaf, d in pairs]
+        a, k = jax.tree.unflatten(self.treedef, full)
+        return self.wrapped(*a, **k)
+
+    def catalogued(self, inputs: list) -> tuple[Any, list]:
+        """``(closed jaxpr, sites)`` of the program on ``inputs``."""
+        if self.grad:
+            program, out_phases = _gradient_program(
+                self.call, self.args, self.dynamic, self.has_aux
+            )
+        else:
+            program, out_phases = self.call, None
+        closed = jax.make_jaxpr(program)(*inputs)
+        tainted = [False] * len(inputs)
+        if self.grad:
+            tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
+        if out_phases is None:
+            out_phases = ["forward"] * len(closed.jaxpr.outvars)
+        return closed, catalog(closed, tainted, out_phases)
+
+    def paths(self) -> list[str]:
+        dyn = [path for (path, _), d in zip(self.flat, self.is_dynamic, strict=True) if d]
+        return [_arg_path(self.fun, path) for path in dyn]
+
+
+def _arg_path(fun: Callable, path: tuple) -> str:
+    """``"params['w']"``: the argument name (``args[i]`` if unknown) and the path in it."""
+    head, rest = path[0].idx, path[1:]
+    if head == 1:  # keyword arguments: the first key is the name
+        return f"{rest[0].key}{jax.tree_util.keystr(rest[1:])}"
+    index = rest[0].idx
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    name = positional[index].name if index < len(positional) else f"args[{index}]"
+    return f"{name}{jax.tree_util.keystr(rest[1:])}"
 
 
 def _check_loss_scale(loss_scale: Any, grad: bool) -> float:
@@ -119,8 +215,9 @@ def _check_loss_scale(loss_scale: Any, grad: bool) -> float:
     return float(loss_scale)
 
 
-def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
-    """``program(*dynamic, seed)``: the loss and its gradient wrt the first argument."""
+def _gradient_program(call: Callable, args: tuple, dynamic: list, has_aux: bool):
+    """``(program, out_phases)``: ``program(*dynamic, seed)`` returns the loss (and aux)
+    and the gradient wrt the first argument; ``out_phases`` names each output's phase."""
     n_first = sum(map(is_array, jax.tree.leaves(args[:1])))
     wrt = [i for i in range(n_first) if is_floating(dynamic[i])]
     if not args or not wrt:
@@ -131,10 +228,16 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
             "parameters (a pytree of floating arrays) first."
         )
     out = jax.eval_shape(call, *dynamic)
-    if not (is_floating(out) and getattr(out, "shape", None) == ()):
+    if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "numerics_report(has_aux=True) needs fun to return a pair (loss, aux); got "
+            f"{_describe(out)}."
+        )
+    loss_out = out[0] if has_aux else out
+    if not (is_floating(loss_out) and getattr(loss_out, "shape", None) == ()):
         raise TypeError(
             "numerics_report(grad=True) needs fun to return a floating scalar loss; got "
-            f"{_describe(out)}. Reduce the "
+            f"{_describe(loss_out)}. Reduce the "
             "output to a scalar (e.g. jnp.mean) or pass grad=False."
         )
 
@@ -147,10 +250,14 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, scale: float):
                 full[i] = value
             return call(*full)
 
-        loss, backward = jax.vjp(of_wrt, [dyn[i] for i in wrt])
-        return loss, backward(seed)
+        loss, backward, *aux = jax.vjp(of_wrt, [dyn[i] for i in wrt], has_aux=has_aux)
+        # The seed is a float32 argument rounded to the loss dtype here: the rounding is
+        # a measured op, so a float16 loss's seed counts for the loss scale, and its
+        # float32 twin is the true scale even where the float16 seed overflows.
+        return loss, aux, backward(seed.astype(loss_out.dtype))
 
-    return program, [*dynamic, jnp.asarray(scale, out.dtype)]
+    n_aux = len(jax.tree.leaves(out[1])) if has_aux else 0
+    return program, ["forward"] + ["state"] * n_aux + ["backward"] * len(wrt)
 
 
 def _describe(tree: Any) -> str:
@@ -161,51 +268,3 @@ def _describe(tree: Any) -> str:
 
     leaves = jax.tree.leaves(tree)
     return str(jax.tree.map(one, tree)) if len(leaves) != 1 else one(leaves[0])
-
-
-def _summarise(sites: list[Site], floats, ints, scale: float | None) -> NumericsReport:
-    ops, origin, origin_clock = [], None, NEVER
-    for site, (max_abs, max32), row in zip(sites, floats, ints, strict=True):
-        nonfinite, underflow, executions, clock, first_iter = (int(v) for v in row)
-        size = math.prod(site.shape) * executions
-        op = OpStats(
-            primitive=site.primitive,
-            source=site.source,
-            phase=site.phase,
-            scaled=site.scaled,
-            dtype=site.dtype,
-            shape=site.shape,
-            max_abs=float(max_abs),
-            nonfinite=nonfinite,
-            underflow_fraction=underflow / size if size else 0.0,
-            headroom=float(max_abs) / float(jnp.finfo(site.dtype).max),
-            max_abs_float32=float(max32),
-            executions=executions,
-            first_nonfinite_iteration=first_iter if site.in_loop and first_iter >= 0 else None,
-        )
-        ops.append(op)
-        if clock < origin_clock:
-            origin, origin_clock = op, clock
-    largest = _largest_loss_scale(ops, scale)
-    suggested = None if largest is None else largest / SAFETY_FACTOR
-    return NumericsReport(tuple(ops), origin, suggested, scale, largest)
-
-
-def _largest_loss_scale(ops: list[OpStats], scale: float | None) -> float | None:
-    """The largest power of two at which every backward op stays below its dtype's max.
-
-    Cotangents (``scaled`` ops) are linear in the loss scale: an op that reached ``m`` at
-    scale ``s`` reaches ``m * S / s`` at scale ``S``; ``m`` is the float32 twin's
-    magnitude, so an op that already overflowed still gives its true size.
-    """
-    backward = [op for op in ops if op.scaled]
-    if scale is None or not any(np.dtype(op.dtype).itemsize < 4 for op in backward):
-        return None
-    limits = [
-        float(jnp.finfo(op.dtype).max) * scale / op.max_abs_float32
-        for op in backward
-        if op.max_abs_float32 > 0
-    ]
-    if not limits:
-        return None
-    return 2.0 ** math.floor(math.log2(min(limits)))

@@ -28,7 +28,7 @@ from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._engine._visit import structured_rules, sub_path
-from jaxamp._numerics._shadow import Val, materialize, shadow_outputs
+from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
 from jaxamp._numerics._sites import Site, site_key
 
 __all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
@@ -42,14 +42,15 @@ class Stat(NamedTuple):
     max_abs: Any  # float32: largest finite magnitude
     max_abs_float32: Any  # float32: the same, of the float32 shadow
     nonfinite: Any  # int32: inf/NaN values
-    underflow: Any  # int32: zero/subnormal values whose shadow is normal
+    underflow: Any  # int32: zero/subnormal values this op flushed (see _reduce_stats)
+    lost: Any  # int32: zero/subnormal values whose shadow is normal (flushed here or before)
     executions: Any  # int32: how often the equation ran
     origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
     first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
 
 
 _FLOAT_FIELDS = 2
-EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, NEVER, -1], np.int32))
+EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, 0, NEVER, -1], np.int32))
 
 
 def all_finite_flag(x: Any) -> Any:
@@ -74,28 +75,53 @@ def _lift(const: Any) -> Val:
     # Behind a barrier, statistics of constants (masks, broadcast literals) run at run
     # time: XLA would otherwise constant-fold their reductions, slowly, at compile time.
     dtype = getattr(const, "dtype", None)
+    born_here = _rounded_to_nonfinite(const)
     if dtype is not None and (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
         const = jax.lax.optimization_barrier(jnp.asarray(const))
-    return Val(const, all_finite_flag(const))
+    return Val(const, jnp.bool_(True) if born_here else all_finite_flag(const))
 
 
-def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
-    """``(max_abs, max_abs of the shadow, inf/NaN count, underflow count)`` of one output.
+def _rounded_to_nonfinite(const: Any) -> bool:
+    """A 16-bit constant holding inf/NaN: JAX rounded an out-of-range number while tracing.
 
-    One variadic reduction: XLA compiles one kernel per output instead of four, which
-    keeps the compile time of a large instrumented program in proportion.
+    ``x * 1e5`` on a float16 ``x`` holds the literal ``inf:f16``. Such a constant counts
+    as a finite input, so the op that uses it is the origin, at the user's line; an
+    inf in a 32-bit constant (an ``-inf`` mask) was written on purpose and does not.
+    """
+    if not is_narrow(const):
+        return False
+    try:
+        return not bool(np.all(np.isfinite(np.asarray(const))))
+    except (TypeError, jax.errors.TracerArrayConversionError):
+        return False
+
+
+def _normal32(x: Any) -> Any:
+    return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
+
+
+def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, ...]:
+    """``(max_abs, max_abs of the shadow, inf/NaN, underflow, lost)`` of one output.
+
+    The underflow count is what *this* op flushed: zero or subnormal in the output
+    dtype, normal in the float32 twin (``shadow``) and in this op computed in float32
+    on its real inputs (``local``), so a value an earlier op already zeroed is not
+    counted again; ``lost`` counts every value zero or subnormal here and normal in the
+    twin, wherever it was flushed. One variadic reduction: XLA compiles one kernel per
+    output instead of five, which keeps the compile time of a large instrumented
+    program in proportion.
     """
     magnitude, finite = _finite_abs(out)
     nonfinite = jnp.logical_not(finite).astype(jnp.int32)
     if shadow is None:
         wide, underflow = magnitude, jnp.zeros(out.shape, jnp.int32)
+        lost = underflow
     else:
         wide, _ = _finite_abs(shadow)
-        # Zero or subnormal in the output dtype, normal in float32 arithmetic.
         tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
-        flushed = jnp.abs(out) < tiny
-        normal32 = jnp.abs(shadow) >= np.asarray(jnp.finfo(jnp.float32).tiny, shadow.dtype)
-        underflow = jnp.logical_and(flushed, normal32).astype(jnp.int32)
+        lost_here = jnp.logical_and(jnp.abs(out) < tiny, _normal32(shadow))
+        flushed = lost_here if local is None else jnp.logical_and(lost_here, _normal32(local))
+        underflow, lost = flushed.astype(jnp.int32), lost_here.astype(jnp.int32)
 
     def combine(a, b):
         return (
@@ -103,11 +129,13 @@ def _reduce_stats(out: Any, shadow: Any) -> tuple[Any, Any, Any, Any]:
             jnp.maximum(a[1], b[1]),
             a[2] + b[2],
             a[3] + b[3],
+            a[4] + b[4],
         )
 
-    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0))
+    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0))
     dims = tuple(range(out.ndim))
-    return tuple(jax.lax.reduce((magnitude, wide, nonfinite, underflow), zeros, combine, dims))
+    operands = (magnitude, wide, nonfinite, underflow, lost)
+    return tuple(jax.lax.reduce(operands, zeros, combine, dims))
 
 
 # Primitives that move values without changing them: an output's statistics are its
@@ -135,8 +163,8 @@ def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
     repeat = np.int32(max(out.size, 1) // max(source.size, 1))
-    max_abs, max32, nonfinite, underflow = ins[0].stats
-    return max_abs, max32, nonfinite * repeat, underflow * repeat
+    max_abs, max32, nonfinite, _, lost = ins[0].stats
+    return max_abs, max32, nonfinite * repeat, np.int32(0), lost * repeat  # moving flushes none
 
 
 class Recorder:
@@ -155,7 +183,7 @@ class Recorder:
         ints = [jnp.stack([jnp.asarray(v, jnp.int32) for v in r[_FLOAT_FIELDS:]]) for r in rows]
         return (
             jnp.stack(floats) if rows else jnp.zeros((0, 2), jnp.float32),
-            jnp.stack(ints) if rows else jnp.zeros((0, 5), jnp.int32),
+            jnp.stack(ints) if rows else jnp.zeros((0, len(EMPTY) - _FLOAT_FIELDS), jnp.int32),
         )
 
     def unpack(self, keys: Sequence[tuple], packed: tuple[Any, Any]) -> None:
@@ -190,6 +218,7 @@ class Recorder:
         if not ins:  # iota and friends: constants too (see _lift)
             outs = list(jax.lax.optimization_barrier(outs))
         shadows = shadow_outputs(eqn, ins, outs)
+        locals_ = local_twins(eqn, ins, outs, shadows)
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
             key = site_key(path, index, k)
@@ -198,7 +227,7 @@ class Recorder:
                     raise _unmeasured(eqn, key)
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
-            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow)
+            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow, locals_[k])
             self._update(key, stats, inputs_finite)
             vals.append(Val(out, stats[2] == 0, shadow, stats))
         self.clock = self.clock + 1
@@ -206,7 +235,7 @@ class Recorder:
 
     def _update(self, key, stats, inputs_finite) -> None:
         old = self.stats.get(key, EMPTY)
-        max_abs, max32, nonfinite, underflow = stats
+        max_abs, max32, nonfinite, underflow, lost = stats
         first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
         first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
         self.stats[key] = Stat(
@@ -214,6 +243,7 @@ class Recorder:
             jnp.maximum(old.max_abs_float32, max32),
             old.nonfinite + nonfinite,
             old.underflow + underflow,
+            old.lost + lost,
             old.executions + 1,
             jnp.where(first_origin, self.clock, old.origin_clock),
             jnp.where(first_bad, self.iteration, old.first_nonfinite_iteration),

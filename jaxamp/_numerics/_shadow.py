@@ -25,14 +25,13 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating
+from jaxamp._casting import is_floating, is_narrow, widen
 from jaxamp._engine import _compat as compat
+from jaxamp._numerics._retype import check_lowers, every_twin_checked, twin_params
 
-__all__ = ["NO_SHADOW", "Val", "materialize", "shadow_outputs"]
+__all__ = ["NO_SHADOW", "Val", "local_twins", "materialize", "shadow_outputs"]
 
 NO_SHADOW = frozenset({"bitcast_convert_type", "random_bits", "random_wrap", "iota", "rng_uniform"})
-# Parameters that name an output dtype (a 16-bit one is widened in the shadow).
-_DTYPE_PARAMS = ("new_dtype", "preferred_element_type", "out_dtype", "dtype")
 # Rounding to another dtype: the shadow of the result is the shadow of the input.
 _ROUNDING = frozenset({"convert_element_type", "reduce_precision"})
 
@@ -47,17 +46,17 @@ class Val(NamedTuple):
     stats: Any = None
 
 
-def is_narrow(x: Any) -> bool:
-    return is_floating(x) and np.dtype(x.dtype).itemsize < 4
-
-
-def _wide(x: Any) -> Any:
-    return x.astype(jnp.float32) if is_narrow(x) else x
+def _wide_normal(x: Any) -> Any:
+    """``x`` in float32 with its 16-bit zero and subnormal values as zero."""
+    if not is_narrow(x):
+        return x
+    tiny = np.asarray(jnp.finfo(x.dtype).tiny, x.dtype)
+    return jnp.where(jnp.abs(x) < tiny, jnp.zeros((), x.dtype), x).astype(jnp.float32)
 
 
 def widened(val: Val) -> Any:
     """The shadow of ``val`` (its value in at least float32 when it has none)."""
-    return val.shadow if val.shadow is not None else _wide(val.value)
+    return val.shadow if val.shadow is not None else widen(val.value)
 
 
 def materialize(val: Val) -> Any:
@@ -76,13 +75,13 @@ def shadow_outputs(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any]) -
     if eqn.primitive.name in _ROUNDING and is_floating(ins[0].value):
         target = jnp.float32 if is_narrow(outs[0]) else outs[0].dtype
         return [widened(ins[0]).astype(target)]
-    params = {
-        name: (jnp.float32 if name in _DTYPE_PARAMS and _is_narrow_dtype(value) else value)
-        for name, value in eqn.params.items()
-    }
+    args = [widened(v) for v in ins]
     try:
-        shadows = compat.bind_eqn(eqn.replace(params=params), [widened(v) for v in ins])
-    except Exception:  # a primitive that insists on its dtypes: restart from the value
+        params, risky = twin_params(eqn)
+        if risky or every_twin_checked():
+            check_lowers(eqn, params, args)
+        shadows = compat.bind_eqn(eqn.replace(params=params), args)
+    except Exception:  # a primitive that insists on its dtypes: restart
         return [None] * len(outs)
     return [
         shadow if is_float and np.shape(shadow) == np.shape(out) else None
@@ -90,9 +89,31 @@ def shadow_outputs(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any]) -
     ]
 
 
-def _is_narrow_dtype(value: Any) -> bool:
+def local_twins(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any], shadows) -> list:
+    """Each 16-bit output of ``eqn`` computed in float32 on its *real* inputs, or None.
+
+    The shadow carries float32 values along the whole program; this twin restarts
+    from the 16-bit inputs with their zero and subnormal values as zero, so comparing
+    it with the output tells what this op flushed (a value an earlier op made zero or
+    subnormal is not counted again). None where it equals the shadow (no input has a
+    shadow) or where the output is not 16-bit.
+    """
+    wanted = [
+        shadow is not None and is_narrow(out) for out, shadow in zip(outs, shadows, strict=True)
+    ]
+    if not any(wanted) or all(v.shadow is None for v in ins):
+        return [None] * len(outs)
+    if eqn.primitive.name in _ROUNDING:
+        return [widen(ins[0].value)]
+    args = [_wide_normal(v.value) for v in ins]
     try:
-        dtype = np.dtype(value)
-    except (TypeError, ValueError):
-        return False
-    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+        params, risky = twin_params(eqn)
+        if risky or every_twin_checked():
+            check_lowers(eqn, params, args)
+        twins = compat.bind_eqn(eqn.replace(params=params), args)
+    except Exception:  # a primitive that insists on its dtypes: the shadow alone decides
+        return [None] * len(outs)
+    return [
+        twin if want and np.shape(twin) == np.shape(out) else None
+        for out, twin, want in zip(outs, twins, wanted, strict=True)
+    ]

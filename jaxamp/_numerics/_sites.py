@@ -9,14 +9,18 @@ of ``(equation index, sub-jaxpr number)`` pairs that leads to its jaxpr
 inner jaxpr that two call sites share still gives two sites.
 
 The phase comes from data flow, not from names. An equation is ``"forward"`` when
-the program's primal outputs (the loss) depend on it, and ``"backward"`` otherwise:
-the cotangent computation and the derivative-only values computed alongside the
-forward pass (``0.5 / sqrt(x)`` for ``sqrt``), so an inf/NaN that only the
-gradient sees is reported as backward. Separately, the gradient program takes
-the cotangent seed (the loss scale) as its last argument, and an output that
-depends on it is ``scaled``: proportional to the loss scale, which is what the
-suggested loss scale is computed from (a rematerialised forward value inside the
-backward pass is not).
+the program's primal outputs (the loss) depend on it, ``"backward"`` when only the
+gradients do (the cotangent computation and the derivative-only values computed
+alongside the forward pass, ``0.5 / sqrt(x)`` for ``sqrt``), so an inf/NaN that only
+the gradient sees is reported as backward, and ``"state"`` when only the auxiliary
+outputs of ``has_aux`` do (updated batch statistics, an EMA codebook). Code that
+nothing returns is backward if it depends on the seed, else forward.
+
+Separately, the gradient program takes the cotangent seed (the loss scale) as its
+last argument, and an output that depends on it is ``scaled``: proportional to the
+loss scale, which is what the suggested loss scale is computed from (a
+rematerialised forward value inside the backward pass is not, nor is a forward
+value that a barrier groups with a cotangent, nor an integer or bool value).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._visit import structured_rules, sub_path
 
-__all__ = ["TAINT_ROUNDS", "Site", "catalog", "site_key", "user_source"]
+__all__ = ["PHASES", "TAINT_ROUNDS", "Site", "catalog", "site_key", "user_frame", "user_source"]
 
 # How often a loop body is visited to find which carries depend on the seed. It
 # terminates: a carry's flag only goes from False to True (``_carry_fixpoint``
@@ -64,6 +68,7 @@ class Site(NamedTuple):
     dtype: np.dtype
     shape: tuple[int, ...]
     in_loop: bool
+    internal: bool = False  # jaxamp's own bookkeeping (a barrier autocast inserted)
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -81,30 +86,51 @@ def _library_dirs() -> tuple[str, ...]:
 _LIBRARY_DIRS = _library_dirs()
 
 
-def user_source(eqn: jex.JaxprEqn) -> str:
+def user_frame(eqn: jex.JaxprEqn) -> str | None:
     """``"path/to/file.py:LINE"`` of the innermost frame outside JAX, jaxamp and libraries.
 
     Installed libraries (Flax, Haiku, Equinox, optax) count as library code, so a
-    ``nn.Dense`` is attributed to the user's line that calls it. The innermost
-    frame of all is the fallback when every frame is library code.
+    ``nn.Dense`` is attributed to the user's line that calls it. None when every
+    frame is library code: an equation of a jaxpr that JAX traced inside its own
+    jitted function (``jnp.where``, ``jax.nn.relu``, ``jnp.linalg.norm``), whose
+    user line is that of the equation calling the function.
     """
-    frames = compat.source_frames(eqn)
-    for file_name, line in frames:
+    for file_name, line in compat.source_frames(eqn):
         real = os.path.realpath(file_name)
         if not real.startswith(_LIBRARY_DIRS) and not file_name.startswith("<"):
             return f"{file_name}:{line}"
+    return None
+
+
+def user_source(eqn: jex.JaxprEqn, caller: str | None = None) -> str:
+    """:func:`user_frame`, else the calling equation's (``caller``), else the innermost frame."""
+    found = user_frame(eqn) or caller
+    if found is not None:
+        return found
+    frames = compat.source_frames(eqn)
     return f"{frames[0][0]}:{frames[0][1]}" if frames else "<unknown>:0"
 
 
-def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[bool]) -> list[Site]:
+# Phases, strongest first: an equation takes the strongest phase of the outputs that
+# need it (what the loss needs is forward even if the gradient needs it too).
+PHASES = ("forward", "backward", "state")
+_RANK = {phase: rank for rank, phase in enumerate(PHASES)}
+_NONE = len(PHASES)  # needed by no output of the program (dead code)
+
+
+def catalog(
+    closed: jex.ClosedJaxpr, tainted: Sequence[bool], out_phases: Sequence[str]
+) -> list[Site]:
     """Every measured output of ``closed``, in program order.
 
-    ``tainted``: which arguments are the cotangent seed; ``primal``: which outputs
-    are primal results (the loss), the rest being gradients.
+    ``tainted``: which arguments are the cotangent seed; ``out_phases``: the phase of
+    each program output (``"forward"`` for the loss, ``"backward"`` for gradients,
+    ``"state"`` for auxiliary outputs such as updated statistics).
     """
     sites: list[Site] = []
     # Without a seed (no gradient) every op is forward, dead code included.
-    where = _Where((), False, list(primal) if any(tainted) else [True] * len(primal))
+    dead = None if any(tainted) else "forward"
+    where = _Where((), False, [_RANK[phase] for phase in out_phases], dead)
     _visit(closed.jaxpr, list(tainted), where, sites)
     return sites
 
@@ -112,21 +138,35 @@ def catalog(closed: jex.ClosedJaxpr, tainted: Sequence[bool], primal: Sequence[b
 class _Where(NamedTuple):
     path: tuple
     in_loop: bool
-    live_outs: list[bool]  # which outputs of this jaxpr the primal results need (or all)
+    live_outs: list[int]  # per output of this jaxpr: the rank of the strongest phase needing it
+    dead: str | None = None  # the phase of dead code (None: by its data flow)
+    caller: str | None = None  # the user line of the equation whose body this is
 
 
-def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[bool]) -> list[list[bool]]:
-    """Per equation, which of its outputs the primal results need (backward liveness)."""
-    live = {v for v, keep in zip(jaxpr.outvars, live_outs, strict=True) if keep}
-    if all(live_outs):
-        return [[True] * len(eqn.outvars) for eqn in jaxpr.eqns]
+def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[int]) -> list[list[int]]:
+    """Per equation, per output, the strongest phase that needs it (backward liveness)."""
+    need: dict = {}
+    for var, rank in zip(jaxpr.outvars, live_outs, strict=True):
+        if isinstance(var, jex.Var):
+            need[var] = min(need.get(var, _NONE), rank)
     per_eqn = []
     for eqn in reversed(jaxpr.eqns):
-        outs = [isinstance(v, jex.Var) and v in live for v in eqn.outvars]
-        if any(outs):
-            live.update(v for v in eqn.invars if isinstance(v, jex.Var))
+        outs = [need.get(v, _NONE) if isinstance(v, jex.Var) else _NONE for v in eqn.outvars]
+        rank = min(outs, default=_NONE)
+        for v in eqn.invars:
+            if isinstance(v, jex.Var):
+                need[v] = min(need.get(v, _NONE), rank)
         per_eqn.append(outs)
     return per_eqn[::-1]
+
+
+def _phase(where: _Where, scaled: bool) -> str:
+    rank = min(where.live_outs, default=_NONE)
+    if rank == _NONE:  # dead code: what nothing returns
+        # A cotangent JAX computed and dropped is backward; a value computed from the
+        # inputs that nothing uses (a model's unused branch) is forward.
+        return where.dead or ("backward" if scaled else "forward")
+    return PHASES[rank]
 
 
 def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list:
@@ -145,13 +185,17 @@ def _visit(jaxpr: jex.Jaxpr, in_taint: list[bool], where: _Where, sites) -> list
 
 
 def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
+    # Bodies traced inside JAX's own jitted functions have no user frame: they
+    # inherit the user line of the equation that calls them.
+    where = where._replace(caller=user_frame(eqn) or where.caller)
     visit = _SITE_RULES.get(eqn.primitive.name, _visit_op)
     return visit(eqn, ins, where, index, sites)
 
 
 def _visit_op(eqn, ins, where: _Where, index, sites) -> list[bool]:
     """A measured equation: one site per floating output."""
-    phase = "forward" if any(where.live_outs) else "backward"
+    scaled = scaled_outputs(eqn, ins)
+    phase = _phase(where, any(scaled))
     for k, var in enumerate(eqn.outvars):
         dtype = getattr(var.aval, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
@@ -159,15 +203,53 @@ def _visit_op(eqn, ins, where: _Where, index, sites) -> list[bool]:
                 Site(
                     site_key(where.path, index, k),
                     eqn.primitive.name,
-                    user_source(eqn),
+                    user_source(eqn, where.caller),
                     phase,
-                    any(ins),
+                    scaled[k],
                     np.dtype(dtype),
                     tuple(var.aval.shape),
                     where.in_loop,
+                    _is_internal(eqn),
                 )
             )
-    return [any(ins)] * len(eqn.outvars)
+    return scaled
+
+
+_JAXAMP_DIR = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__file__))), "")
+
+
+def _is_internal(eqn: jex.JaxprEqn) -> bool:
+    """A barrier jaxamp inserted (autocast's matmul operands): moves values, hidden in tables."""
+    frames = compat.source_frames(eqn)
+    return (
+        eqn.primitive.name == "optimization_barrier"
+        and bool(frames)
+        and os.path.realpath(frames[0][0]).startswith(_JAXAMP_DIR)
+    )
+
+
+# Primitives whose output i is operand i (grouped only to order them): the barrier
+# autocast puts around a matmul's operands pairs a cotangent with forward values.
+_PER_OPERAND = frozenset({"optimization_barrier"})
+
+
+def scaled_outputs(eqn: jex.JaxprEqn, ins: Sequence[bool]) -> list[bool]:
+    """Which outputs of a first-order ``eqn`` depend on the seed, from which inputs do.
+
+    Data flow of the cotangent only: an output of a per-operand primitive follows
+    its own operand, and an integer or bool output (a mask, a comparison) is never
+    scaled: it is not proportional to the loss scale.
+    """
+    if eqn.primitive.name in _PER_OPERAND and len(ins) == len(eqn.outvars):
+        flags = list(ins)
+    else:
+        flags = [any(ins)] * len(eqn.outvars)
+    return [flag and _is_floating_var(var) for flag, var in zip(flags, eqn.outvars, strict=True)]
+
+
+def _is_floating_var(var) -> bool:
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _visit_inline(eqn, ins, where: _Where, index, sites) -> list[bool]:
@@ -176,8 +258,9 @@ def _visit_inline(eqn, ins, where: _Where, index, sites) -> list[bool]:
 
 
 def _body_where(where: _Where, index: int, n_outs: int) -> _Where:
-    # A loop body runs for the primal results if the loop does (any output).
-    return _Where(sub_path(where.path, index), True, [any(where.live_outs)] * n_outs)
+    # A loop body runs for the strongest phase that needs any output of the loop.
+    live = [min(where.live_outs, default=_NONE)] * n_outs
+    return where._replace(path=sub_path(where.path, index), in_loop=True, live_outs=live)
 
 
 def _visit_scan(eqn, ins, where, index, sites):

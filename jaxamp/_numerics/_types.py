@@ -21,18 +21,23 @@ class OpStats:
       primitive: the JAX primitive (``"mul"``, ``"dot_general"``, ...).
       source: ``"path/to/file.py:LINE"`` of the user's code that made it. A
         backward equation points at the forward line whose derivative it is.
-      phase: ``"forward"`` (the loss depends on it: the primal computation) or
+      phase: ``"forward"`` (the loss depends on it: the primal computation),
         ``"backward"`` (only the gradient does: the cotangents and the derivative
-        factors computed alongside the forward pass; ``grad=True`` only).
+        factors computed alongside the forward pass; ``grad=True`` only) or
+        ``"state"`` (only the ``aux`` outputs of ``has_aux=True`` do: updated batch
+        statistics, an EMA codebook). Code nothing returns is ``"backward"`` if it
+        depends on the loss scale, else ``"forward"``.
       scaled: the value is a cotangent, proportional to the loss scale (what
         the suggested loss scale is computed from).
       dtype: the output dtype.
       shape: the output shape.
       max_abs: the largest finite magnitude (0.0 if none).
       nonfinite: how many inf/NaN values it produced (summed over loop iterations).
-      underflow_fraction: the fraction of values that are zero or subnormal in
-        ``dtype`` but normal when the same op runs in float32 on the same inputs
-        (0.0 for 32-bit outputs).
+      underflow_fraction: the fraction of values that *this op* flushed: zero or
+        subnormal in ``dtype``, normal in the float32 twin, and normal when this op
+        runs in float32 on its 16-bit inputs with their zero and subnormal values as
+        zero (a value an earlier op flushed counts there, not here; 0.0 for 32-bit
+        outputs). ``most_underflow`` sorts by it, so its first row is the culprit.
       headroom: ``max_abs`` divided by the dtype's largest finite value; 1.0 means
         at the edge of overflow.
       max_abs_float32: the largest finite magnitude of the op computed in float32
@@ -41,6 +46,11 @@ class OpStats:
       executions: how many times the equation ran (loop iterations).
       first_nonfinite_iteration: inside a scan/while body, the iteration of the
         innermost loop in which it first produced an inf/NaN; else None.
+      lost_fraction: the fraction of values that are zero or subnormal here and
+        normal in the float32 twin, wherever they were flushed (at this op or
+        before): how much of this value float16 lost. At least ``underflow_fraction``.
+      internal: a barrier that jaxamp's autocast inserted around a matmul's
+        operands (it moves values): in ``ops``, left out of the tables.
     """
 
     primitive: str
@@ -56,6 +66,8 @@ class OpStats:
     max_abs_float32: float
     executions: int
     first_nonfinite_iteration: int | None = None
+    lost_fraction: float = 0.0
+    internal: bool = False
 
     def _row(self) -> tuple[str, ...]:
         it = self.first_nonfinite_iteration
@@ -89,6 +101,8 @@ class NumericsReport:
       loss_scale: the loss scale the gradient was computed with (None without grad).
       max_loss_scale: the largest power of two with no backward overflow (the
         suggestion times the safety factor), or None.
+      nonfinite_inputs: the arguments that hold an inf/NaN, each named by its
+        parameter and its path inside it (``"params['w1']"``), in argument order.
     """
 
     ops: tuple[OpStats, ...]
@@ -96,15 +110,19 @@ class NumericsReport:
     suggested_loss_scale: float | None
     loss_scale: float | None = None
     max_loss_scale: float | None = None
+    nonfinite_inputs: tuple[str, ...] = ()
 
     def nearest_overflow(self, n: int = _ROWS) -> list[OpStats]:
         """The ``n`` ops with the largest ``headroom`` (closest to their dtype's max)."""
-        return sorted(self.ops, key=lambda op: -op.headroom)[:n]
+        return sorted(self._visible(), key=lambda op: -op.headroom)[:n]
 
     def most_underflow(self, n: int = _ROWS) -> list[OpStats]:
         """The ``n`` ops with the largest ``underflow_fraction`` (ops with none left out)."""
-        flushed = [op for op in self.ops if op.underflow_fraction > 0]
+        flushed = [op for op in self._visible() if op.underflow_fraction > 0]
         return sorted(flushed, key=lambda op: -op.underflow_fraction)[:n]
+
+    def _visible(self) -> list[OpStats]:
+        return [op for op in self.ops if not op.internal]
 
     @property
     def nonfinite_ops(self) -> list[OpStats]:
@@ -118,11 +136,10 @@ class NumericsReport:
         counts = ", ".join(f"{n} {phase}" for phase, n in phases.items())
         lines = [f"numerics_report: {len(self.ops)} op outputs ({counts})"]
         origin = self.first_nonfinite
+        if self.nonfinite_inputs:
+            lines.append("non-finite inputs: " + ", ".join(self.nonfinite_inputs))
         if origin is None:
-            bad = len(self.nonfinite_ops)
-            lines.append(
-                "no inf/NaN" if not bad else f"inf/NaN only from non-finite inputs ({bad} ops)"
-            )
+            lines.append(_no_origin(len(self.nonfinite_ops), bool(self.nonfinite_inputs)))
         else:
             lines.append("first inf/NaN made from finite inputs:")
             lines += _table([origin])
@@ -137,12 +154,22 @@ class NumericsReport:
                 f"(largest without backward overflow {_power(self.max_loss_scale)}, "
                 f"safety factor {SAFETY_FACTOR}; measured at loss scale {self.loss_scale:g})"
             )
+        elif self.loss_scale is not None:
+            lines.append("loss scale: not needed (no float16 value in the backward pass)")
         if len(self.ops) > _ROWS:
             lines.append(f"(tables cut to {_ROWS} rows; report.ops has all {len(self.ops)})")
         return "\n".join(lines)
 
 
 SAFETY_FACTOR = 8
+
+
+def _no_origin(bad: int, bad_inputs: bool) -> str:
+    if not bad:
+        return "no inf/NaN"
+    if bad_inputs:
+        return f"inf/NaN only from the non-finite inputs ({bad} ops)"
+    return f"inf/NaN only from non-finite float32 constants, such as an -inf mask ({bad} ops)"
 
 
 def _power(scale: float) -> str:

@@ -12,6 +12,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 from jaxamp._casting import cast_floating
+from jaxamp._checks import check_transformation
 from jaxamp._loss_scaling._finite import select
 from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
 from jaxamp._loss_scaling._state import get_loss_scale, loss_scaling_state, loss_scaling_states
@@ -49,10 +50,7 @@ class LossScaledTrainState(train_state.TrainState):
     @classmethod
     def create(cls, *, apply_fn, params, tx, loss_scale: Any = None, **kwargs):
         """Like ``TrainState.create``; ``loss_scale`` defaults to ``DynamicLossScale()``."""
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                f"tx must be an optax.GradientTransformation; got {type(tx).__name__}: {tx!r}."
-            )
+        check_transformation(tx, "tx")
         if loss_scaling_states(jax.eval_shape(tx.init, params)):
             if loss_scale is not None:
                 raise ValueError(

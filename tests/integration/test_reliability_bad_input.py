@@ -306,6 +306,30 @@ CASES = [
         ["state_dtype", "16-bit", "float32", "jnp.bfloat16"],
     ),
     (
+        "low_precision_optimizer(tx, state_dtype=jnp.float16)",
+        lambda: jaxamp.low_precision_optimizer(optax.adam(0.1), state_dtype=jnp.float16),
+        ValueError,
+        ["state_dtype", "jnp.bfloat16", "float16", "second moments", "6e-8"],
+    ),
+    (
+        "low_precision_optimizer(tx, seed=2**32)",
+        lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), seed=2**32),
+        ValueError,
+        ["seed", "[0, 2**32 - 1]", "4294967296"],
+    ),
+    (
+        "low_precision_optimizer(tx, seed=-1)",
+        lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1), seed=-1),
+        ValueError,
+        ["seed", "[0, 2**32 - 1]", "-1"],
+    ),
+    (
+        "loss_scaling(optax.MultiSteps(tx, 4))",
+        lambda: jaxamp.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 4)),
+        TypeError,
+        ["inner", "optax.MultiSteps", "accumulation_steps", ".gradient_transformation()"],
+    ),
+    (
         "low_precision_optimizer(tx).init({'n': jnp.arange(3)})",
         lambda: jaxamp.low_precision_optimizer(optax.sgd(0.1)).init({"n": jnp.arange(3)}),
         TypeError,
@@ -316,6 +340,36 @@ CASES = [
         lambda: jaxamp.stochastic_round(jnp.ones(2), jnp.float32, jax.random.key(0)),
         ValueError,
         ["dtype", "16-bit", "float32"],
+    ),
+    (
+        'Float8Recipe(scaling="colwise")',
+        lambda: jaxamp.Float8Recipe(scaling="colwise"),
+        ValueError,
+        ["scaling", "'colwise'", "'tensorwise'", "'rowwise'", "'blockwise'", "'mxfp8'"],
+    ),
+    (
+        "Float8Recipe(forward_dtype=jnp.bfloat16)",
+        lambda: jaxamp.Float8Recipe(forward_dtype=jnp.bfloat16),
+        TypeError,
+        ["forward_dtype", "float8_e4m3fn", "got bfloat16", "'mixed_bfloat16'"],
+    ),
+    (
+        "Float8Recipe(gradient_dtype=jnp.int8)",
+        lambda: jaxamp.Float8Recipe(gradient_dtype=jnp.int8),
+        TypeError,
+        ["gradient_dtype", "float8_e5m2", "got int8"],
+    ),
+    (
+        "Float8Recipe(compute_dtype=jnp.float32)",
+        lambda: jaxamp.Float8Recipe(compute_dtype=jnp.float32),
+        TypeError,
+        ["compute_dtype", "16-bit", "jnp.bfloat16", "got float32"],
+    ),
+    (
+        "Float8Recipe(power_of_two_scale=1)",
+        lambda: jaxamp.Float8Recipe(power_of_two_scale=1),
+        TypeError,
+        ["power_of_two_scale", "True or False", "int"],
     ),
 ]
 

@@ -113,8 +113,18 @@ def test_autocast_cpu_speed_smoke(tmp_path):
         autocast_cpu_speed.main(["--smoke", "--out", str(out)])
     payload = _load(out)
     assert set(payload["config"]["isa"]) <= set(autocast_cpu_speed.ISA_FLAGS)
-    results = {r["setup"]: r for r in payload["results"]}
-    assert set(results) == {"float32", "autocast_bfloat16", "bf16_layer_dtypes"}
+    config = payload["config"]
+    results = {r["setup"]: r for r in payload["results"] if r["part"] == "main"}
+    assert set(results) == set(autocast_cpu_speed.SETUPS)
+    swept = [(r["width"], r["setup"]) for r in payload["results"] if r["part"] == "sweep"]
+    assert sorted(swept) == sorted(
+        (w, s) for w in config["sweep"]["widths"] for s in autocast_cpu_speed.SETUPS
+    )
+    matmuls = {r["setup"]: r for r in payload["results"] if r["part"] == "matmul"}
+    assert set(matmuls) == set(autocast_cpu_speed.MATMULS)
+    assert matmuls["bf16_operands_f32_accumulation"]["bf16_dots"] == 1
+    for r in payload["results"]:  # every part: ratios within its own interleaved rounds
+        assert _positive(r["ratio_to_float32"]) and r["converts"] >= 0
     assert results["float32"]["ratio_to_float32"] == 1.0
     for r in results.values():
         assert len(r["per_round_ms"]) == payload["config"]["rounds"]
@@ -128,6 +138,10 @@ def test_autocast_cpu_speed_smoke(tmp_path):
     if jax.default_backend() == "cpu":
         autocast = results["autocast_bfloat16"]
         assert autocast["bf16_dots"] > 0 and autocast["f32_dots"] == 0
+        # float32 elementwise work: the same bfloat16 dots, fewer conversions.
+        f32_elementwise = results["autocast_f32_elementwise"]
+        assert f32_elementwise["bf16_dots"] == autocast["bf16_dots"]
+        assert f32_elementwise["converts"] < autocast["converts"]
 
 
 def test_gpu_speed_smoke(tmp_path):
@@ -143,6 +157,11 @@ def test_gpu_speed_smoke(tmp_path):
         dims = r["dims"]
         aligned = all(d % gpu_speed.PAD_MULTIPLE == 0 for d in dims.values())
         assert aligned == r["padded"]
+    # The optimizer step of every low_precision variant, timed against float32 Adam.
+    optimizer = {r["variant"]: r for r in payload["optimizer"]["results"]}
+    assert set(optimizer) == set(low_precision.VARIANTS)
+    assert optimizer["float32_master"]["update"]["ratio_median"] == 1.0
+    assert all(_positive(r["update"]["ratio_median"]) for r in optimizer.values())
 
 
 def test_gpu_speed_full_size_is_never_faked_without_a_gpu(tmp_path):
@@ -152,6 +171,7 @@ def test_gpu_speed_full_size_is_never_faked_without_a_gpu(tmp_path):
     gpu_speed.main(["--out", str(out)])
     payload = _load(out)
     assert payload["status"].startswith("skipped") and payload["results"] == []
+    assert "optimizer" not in payload
 
 
 def test_every_variant_trains_identically_on_finite_steps():
@@ -212,9 +232,16 @@ def test_low_precision_smoke(tmp_path):
         ("bf16_nearest", 6),
         ("bf16_stochastic", 6),
         ("bf16_kahan", 8),
+        ("bf16_kahan_f32_state", 12),
+        ("f16_stochastic", 6),
     ]:
         fixed = results[name]["state_fixed_bytes"]
         assert per_param <= total[name] <= per_param + fixed / n + 1e-9, name
     for r in results.values():
         assert _positive(r["median_s"]) and _positive(r["ratio_median"])
+        for kind in ("update", "step"):  # the optimizer alone, and a whole training step
+            timed = r[kind]
+            assert len(timed["per_step_s"]) == len(timed["per_step_cpu_s"]) == 3
+            assert _positive(timed["ratio_median"]) and _positive(timed["ratio_cpu"])
     assert results["float32_master"]["ratio_median"] == 1.0
+    assert results["float32_master"]["update"]["ratio_cpu"] == 1.0

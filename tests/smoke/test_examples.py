@@ -259,3 +259,20 @@ def test_charlm_low_precision_rounding_modes(tmp_path):
     assert_outputs(tmp_path, "charlm_low_precision", ["bf16_nearest", "bf16_kahan"])
     with pytest.raises(SystemExit):
         charlm_low_precision.parse_args(["--modes", "bf16_float8"])
+
+
+def test_fp8_fidelity_fast_runs_an_fp8_recipe_next_to_bfloat16(tmp_path):
+    fidelity = importlib.import_module("fp8_fidelity")
+    setups = "autocast_bfloat16,autocast_fp8_rowwise"
+    with jax.numpy_dtype_promotion("standard"):
+        records = fidelity.main(
+            ["--fast", "--examples", "charlm", "--setups", setups, "--out", str(tmp_path)]
+        )
+    assert [(r["setup"], r["fp8_share"]) for r in records] == [
+        ("autocast_bfloat16", 0.0),
+        ("autocast_fp8_rowwise", 1.0),
+    ]
+    assert all(math.isfinite(r["metric"]) for r in records)
+    table = (tmp_path / "fp8_fidelity.md").read_text()
+    assert "| autocast_fp8_rowwise | 1 |" in table
+    assert len((tmp_path / "fp8_fidelity.jsonl").read_text().splitlines()) == 2

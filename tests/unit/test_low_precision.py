@@ -124,6 +124,42 @@ def test_deterministic_for_a_key_and_vmappable():
     assert rows.shape == (3, 1000) and rows.dtype == F16
 
 
+def test_optimizer_bits_look_uniform_and_independent():
+    # The counter-based bits (a hash of seed, step, leaf and element index):
+    # each bit position set half the time, no correlation between neighbouring
+    # elements, steps, leaves or the param and state streams (5 sigma bounds).
+    tx = jaxamp.low_precision_optimizer(optax.sgd(0.1), seed=7)
+    state = tx.init({"w": jnp.ones(4096, BF16)})
+    draws = {
+        (t, stream, leaf): np.asarray(
+            leaf_bits(state._replace(count=jnp.uint32(t)), stream, leaf, (4096,))
+        )
+        for t in range(32)
+        for stream in (0, 1)
+        for leaf in (0, 1)
+    }
+    every = np.stack(list(draws.values()))  # (128, 4096)
+    positions = (every[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    np.testing.assert_array_less(
+        np.abs(positions.mean((0, 1)) - 0.5), 5 * 0.5 / np.sqrt(every.size)
+    )
+    uniform = every.astype(np.float64) / 2**32 - 0.5
+
+    def corr(a, b):
+        return float(np.mean(a * b) / np.sqrt(np.mean(a * a) * np.mean(b * b)))
+
+    assert abs(corr(uniform[:, 1:], uniform[:, :-1])) < 5 / np.sqrt(uniform[:, 1:].size)
+    for other in ((1, 0, 0), (0, 1, 0), (0, 0, 1)):  # next step, other stream, other leaf
+        pairs = [
+            (draws[k], draws[tuple(np.add(k, other))])
+            for k in draws
+            if tuple(np.add(k, other)) in draws
+        ]
+        a = np.stack([x for x, _ in pairs]).astype(np.float64) / 2**32 - 0.5
+        b = np.stack([y for _, y in pairs]).astype(np.float64) / 2**32 - 0.5
+        assert abs(corr(a, b)) < 5 / np.sqrt(a.size)
+
+
 # -- low_precision_optimizer ------------------------------------------------------
 
 

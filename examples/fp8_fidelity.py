@@ -1,0 +1,159 @@
+"""FP8 fidelity: charlm and digits under each FP8 recipe, over seeds, next to float32 and bfloat16.
+
+Every setup trains the same float32 model from the same initial weights on the
+same batches (per seed); ``autocast_bfloat16`` runs the loss under
+``jaxamp.autocast(loss, "mixed_bfloat16")`` and ``autocast_fp8_<scaling>``
+under ``jaxamp.autocast(loss, jaxamp.Float8Recipe(<scaling>))``, so the FP8 rows
+differ from the bfloat16 one only in their matmuls and convolutions. On a CPU
+the FP8 products are emulated: step times here say nothing about GPU speed.
+
+Each finished run is appended to ``--out``/fp8_fidelity.jsonl (so an
+interrupted run keeps what it has), and the table over seeds is written to
+``fp8_fidelity.md``.
+
+Run: ``python examples/fp8_fidelity.py`` (``--fast``: one tiny run per setup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # the examples folder is not a package: import by path
+import charlm
+import digits
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SETUPS = ("float32", "autocast_bfloat16", *charlm.FP8_SETUPS)
+BASELINE = "autocast_bfloat16"
+
+
+def charlm_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    argv = [
+        *("--steps", str(args.charlm_steps), "--width", str(args.charlm_width)),
+        *("--batch-size", str(args.charlm_batch), "--context", str(args.charlm_context)),
+        *("--layers", str(args.charlm_layers), "--eval-every", str(args.charlm_steps)),
+        *("--seed", str(seed), "--sample-chars", "8", "--no-progress"),
+    ]
+    run_args = charlm.parse_args(argv)
+    train_ids, valid_ids = charlm.split_blocks(charlm.encode(charlm.load_text()))
+    row, _, _ = charlm.train(setup, train_ids, valid_ids, run_args, charlm.sizes(run_args))
+    return {"metric": row["valid_bits"], "fp8_share": row["fp8_share"], "step_ms": row["step_ms"]}
+
+
+def digits_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    row, _ = digits.train(
+        setup,
+        digits.load_data(),
+        steps=args.digits_steps,
+        batch_size=args.digits_batch,
+        seed=seed,
+        show_progress=False,
+    )
+    return {"metric": row["test_loss"], "accuracy": row["accuracy"], "step_ms": row["step_ms"]}
+
+
+RUNS = {"charlm": charlm_run, "digits": digits_run}
+METRICS = {"charlm": "validation bits/char", "digits": "test cross-entropy (nats)"}
+
+
+def summarise(records: list[dict[str, Any]], example: str) -> str:
+    by_setup: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["example"] == example:
+            by_setup.setdefault(r["setup"], []).append(r)
+    if BASELINE not in by_setup:
+        return ""
+    base = np.mean([r["metric"] for r in by_setup[BASELINE]])
+    rows = []
+    for setup in SETUPS:
+        if setup not in by_setup:
+            continue
+        values = np.array([r["metric"] for r in by_setup[setup]])
+        row = {
+            "setup": setup,
+            "seeds": str(len(values)),
+            "metric": f"{values.mean():.4f} ± {values.std():.4f}",
+            "vs": f"{100 * (values.mean() / base - 1):+.2f}%",
+            "per_seed": ", ".join(f"{v:.4f}" for v in values),
+        }
+        if example == "digits":
+            acc = [r["accuracy"] for r in by_setup[setup]]
+            row["extra"] = f"{100 * np.mean(acc):.1f}%"
+        rows.append(row)
+    columns = [
+        ("setup", "setup"),
+        ("seeds", "seeds"),
+        ("metric", f"{METRICS[example]}, mean ± sd"),
+        ("vs", f"vs {BASELINE}"),
+        ("per_seed", "per seed"),
+    ]
+    if example == "digits":
+        columns.append(("extra", "test accuracy"))
+    return f"## {example}\n\n" + _common.markdown_table(rows, columns)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", default="charlm,digits")
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--charlm-steps", type=int, default=300)
+    parser.add_argument("--charlm-width", type=int, default=64)
+    parser.add_argument("--charlm-layers", type=int, default=2)
+    parser.add_argument("--charlm-batch", type=int, default=16)
+    parser.add_argument("--charlm-context", type=int, default=64)
+    parser.add_argument("--digits-steps", type=int, default=300)
+    parser.add_argument("--digits-batch", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--fast", action="store_true", help="one tiny run per setup (tests)")
+    args = parser.parse_args(argv)
+    if args.fast:
+        args.seeds, args.charlm_steps, args.charlm_width, args.charlm_layers = 1, 4, 32, 1
+        args.charlm_batch, args.charlm_context, args.digits_steps, args.digits_batch = 4, 16, 4, 16
+    args.examples = [e for e in args.examples.split(",") if e]
+    args.setups = [s for s in args.setups.split(",") if s]
+    bad = [e for e in args.examples if e not in RUNS] + [s for s in args.setups if s not in SETUPS]
+    if bad:
+        parser.error(f"unknown {bad}; examples: {', '.join(RUNS)}; setups: {', '.join(SETUPS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "fp8_fidelity.jsonl"
+    records = []
+    for example in args.examples:
+        for seed in range(args.seeds):
+            for setup in args.setups:
+                record = {"example": example, "setup": setup, "seed": seed}
+                record.update(RUNS[example](setup, seed, args))
+                print(json.dumps(record), flush=True)
+                with log.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                records.append(record)
+    tables = "\n\n".join(t for t in (summarise(records, e) for e in args.examples) if t)
+    given = sys.argv[1:] if argv is None else argv
+    _common.write_markdown(
+        args.out / "fp8_fidelity.md",
+        "FP8 fidelity: each recipe next to float32 and bfloat16, over seeds",
+        " ".join(["python examples/fp8_fidelity.py", *given]),
+        tables,
+        f"charlm: {args.charlm_layers} blocks, width {args.charlm_width}, batch "
+        f"{args.charlm_batch} x {args.charlm_context} characters, {args.charlm_steps} steps. "
+        f"digits: {args.digits_steps} steps of {args.digits_batch} images. Convolutions are "
+        "FP8 tensorwise under every recipe (docs/fp8.md).",
+    )
+    print(tables)
+    return records
+
+
+if __name__ == "__main__":
+    main()

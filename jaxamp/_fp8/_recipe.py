@@ -1,0 +1,160 @@
+"""``jaxamp.Float8Recipe``: which FP8 formats and scaling groups autocast's matmuls use."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._policy import Policy
+
+__all__ = ["FP8_PRESET", "SCALINGS", "Float8Recipe", "as_recipe"]
+
+SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+
+# The float8 formats with a saturating cast and an IEEE-like layout that FP8
+# Tensor Cores (Hopper, Ada, Blackwell) and XLA take as matmul operands.
+_FP8_DTYPES = {
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+}
+_COMPUTE_DTYPES = ("bfloat16", "float16")
+
+FP8_PRESET = "mixed_float8"
+
+
+def _fp8_dtype(value: Any, argument: str, default: str) -> np.dtype:
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in _FP8_DTYPES:
+        raise TypeError(
+            f"Float8Recipe({argument}=...) must be jnp.float8_e4m3fn or jnp.float8_e5m2 "
+            f"(e.g. {argument}=jnp.{default}); got {dtype.name if dtype else repr(value)}. "
+            "For a 16-bit policy "
+            "use autocast(fun, 'mixed_bfloat16') instead of a Float8Recipe."
+        )
+    return dtype
+
+
+def _compute_dtype(value: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in _COMPUTE_DTYPES:
+        raise TypeError(
+            "Float8Recipe(compute_dtype=...) is the dtype of matmul results and of "
+            "everything that is not a matmul, and must be 16-bit: jnp.bfloat16 (default) "
+            f"or jnp.float16; got {dtype.name if dtype else repr(value)}."
+        )
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """FP8 matmuls with current (dynamic) scaling, for :func:`jaxamp.autocast`.
+
+    Under ``jaxamp.autocast(fun, recipe)`` everything runs as under
+    ``"mixed_bfloat16"`` (with ``compute_dtype``) except the matmuls and
+    convolutions: each operand ``x`` is quantized per scaling group as
+    ``q = saturating_cast(x * s)`` with ``s = fp8_max / amax(|x|)`` over the
+    group (``s = 1`` where the amax is 0), the product of the ``q`` accumulates
+    in float32 and is multiplied by ``1 / (s_lhs * s_rhs)`` per group, in
+    ``compute_dtype``. The backward products take the incoming gradient in
+    ``gradient_dtype``, scaled the same way. ``"mixed_float8"`` names the
+    default recipe. See docs/fp8.md for the recipes and when each pays.
+
+    Attributes:
+      scaling: the scaling groups. ``"tensorwise"``: one scale per operand.
+        ``"rowwise"``: one per row of the left operand and per column of the
+        right one, along the contracting dimension (torchao's rowwise).
+        ``"blockwise"``: 1x128 tiles of activations and gradients, 128x128
+        tiles of weights, along the contracting dimension (DeepSeek-V3).
+        ``"mxfp8"``: blocks of 32 along the contracting dimension with
+        power-of-two scales (OCP MX, NVIDIA Blackwell). Convolutions are
+        quantized tensorwise under every recipe.
+      forward_dtype: the format of activations and weights.
+      gradient_dtype: the format of the incoming gradients of the backward
+        matmuls (e5m2's range by default, as Transformer Engine's HYBRID).
+      power_of_two_scale: round each scale down to a power of two (always on
+        for ``"mxfp8"``): scaling is then exact.
+      compute_dtype: the dtype of matmul results and of everything else,
+        bfloat16 or float16.
+
+    Raises:
+      ValueError: an unknown ``scaling``.
+      TypeError: a non-float8 ``forward_dtype``/``gradient_dtype``, a
+        ``compute_dtype`` that is not 16-bit, a non-bool ``power_of_two_scale``.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> recipe = jaxamp.Float8Recipe(scaling="rowwise")
+    >>> str(recipe), recipe.forward_dtype, recipe.gradient_dtype
+    ('fp8:rowwise', dtype(float8_e4m3fn), dtype(float8_e5m2))
+    >>> recipe == jaxamp.Float8Recipe("rowwise", jnp.float8_e4m3fn)
+    True
+    >>> x, w = jnp.ones((2, 32)), jnp.ones((32, 4))
+    >>> jaxamp.autocast(lambda x, w: x @ w, "mixed_float8")(x, w).dtype
+    dtype('float32')
+    """
+
+    scaling: str = "tensorwise"
+    forward_dtype: Any = jnp.float8_e4m3fn
+    gradient_dtype: Any = jnp.float8_e5m2
+    power_of_two_scale: bool = False
+    compute_dtype: Any = jnp.bfloat16
+
+    def __post_init__(self):
+        if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
+            raise ValueError(
+                f"Float8Recipe(scaling=...) must be one of {', '.join(map(repr, SCALINGS))}; "
+                f"got {self.scaling!r}."
+            )
+        if not isinstance(self.power_of_two_scale, (bool, np.bool_)):
+            raise TypeError(
+                "Float8Recipe(power_of_two_scale=...) must be True or False; "
+                f"got {type(self.power_of_two_scale).__name__}: {self.power_of_two_scale!r}."
+            )
+        set_ = object.__setattr__
+        set_(
+            self, "forward_dtype", _fp8_dtype(self.forward_dtype, "forward_dtype", "float8_e4m3fn")
+        )
+        set_(
+            self, "gradient_dtype", _fp8_dtype(self.gradient_dtype, "gradient_dtype", "float8_e5m2")
+        )
+        set_(self, "power_of_two_scale", bool(self.power_of_two_scale))
+        set_(self, "compute_dtype", _compute_dtype(self.compute_dtype))
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8Recipe(scaling={self.scaling!r}, forward_dtype={self.forward_dtype.name}, "
+            f"gradient_dtype={self.gradient_dtype.name}, "
+            f"power_of_two_scale={self.power_of_two_scale}, "
+            f"compute_dtype={self.compute_dtype.name})"
+        )
+
+    def __str__(self) -> str:
+        pow2 = ",pow2" if self.power_of_two_scale and self.scaling != "mxfp8" else ""
+        return f"fp8:{self.scaling}{pow2}"
+
+    @property
+    def policy(self) -> Policy:
+        """The 16-bit policy everything except the matmuls runs under."""
+        return Policy(np.float32, self.compute_dtype, np.float32)
+
+    @property
+    def exact_scales(self) -> bool:
+        """Whether scales are powers of two (``power_of_two_scale`` or ``"mxfp8"``)."""
+        return self.power_of_two_scale or self.scaling == "mxfp8"
+
+
+def as_recipe(spec: Any) -> Float8Recipe | None:
+    """The recipe ``spec`` names (a Float8Recipe or ``"mixed_float8"``), else None."""
+    if isinstance(spec, Float8Recipe):
+        return spec
+    if isinstance(spec, str) and spec.strip().lower() == FP8_PRESET:
+        return Float8Recipe()
+    return None

@@ -1,0 +1,93 @@
+"""The compiled instrumented program, cached per function, argument types and options.
+
+A report traces, catalogs and compiles an instrumented program that is several
+times the size of the plain one; XLA's compile dominates its first call (see
+BENCHMARKS.md, "numerics_report"). The program depends only on the function,
+the structure, shapes and dtypes of the array arguments, the non-array arguments,
+the policy, ``grad`` and ``has_aux`` (the loss scale is an argument of it), so it
+is cached on those, like ``jax.jit`` caches its executables: a report on the next
+batch of a training run costs one run of the compiled program.
+
+When XLA rejects the program (a primitive whose float32 twin ``_retype`` could
+not retype correctly), it is traced again with every twin lowered on its own
+first (``_retype.checking_every_twin``): slower, and the twins that fail are
+dropped instead of failing the report.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxamp._numerics._retype import checking_every_twin
+
+__all__ = ["CACHE_SIZE", "Compiled", "cache_clear", "cache_key", "cached", "compile_with_fallback"]
+
+CACHE_SIZE = 32  # programs kept (least recently used dropped first)
+
+
+class Compiled(NamedTuple):
+    run: Callable  # the compiled instrumented program
+    sites: list  # its catalog (what each row of its statistics is)
+    paths: list[str]  # the argument path of each array input, for naming non-finite ones
+
+
+_CACHE: collections.OrderedDict[Hashable, Compiled] = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
+def _aval_key(x: Any) -> tuple:
+    return (np.shape(x), np.dtype(x.dtype).str, bool(getattr(x, "weak_type", False)))
+
+
+def cache_key(fun, policy, grad, has_aux, treedef, static, dynamic) -> Hashable | None:
+    """The cache key, or None when a non-array argument is unhashable (not cached)."""
+    key = (fun, policy, grad, has_aux, treedef, tuple(static), tuple(map(_aval_key, dynamic)))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def cached(key: Hashable | None, build: Callable[[], Compiled]) -> Compiled:
+    """The program for ``key``, built (traced and compiled) on a miss."""
+    if key is None:
+        return build()
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    program = build()
+    with _LOCK:
+        _CACHE[key] = program
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return program
+
+
+def cache_clear() -> None:
+    """Drops every cached program."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+def compile_with_fallback(make: Callable[[], Callable], inputs: list) -> Callable:
+    """``make()`` is a ``jax.jit``-ed program: lowered and compiled for ``inputs``.
+
+    If XLA rejects it, ``make()`` is called again with every float32 twin lowered
+    on its own first, and twins that fail restart from the real value.
+    """
+    try:
+        return make().lower(*inputs).compile()
+    except Exception as first:  # a twin XLA rejects: trace again, checking each one
+        try:
+            with checking_every_twin():
+                return make().lower(*inputs).compile()
+        except Exception:
+            raise first from None
