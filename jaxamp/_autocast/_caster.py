@@ -9,6 +9,8 @@ and how each rule kind treats them.
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,6 +30,7 @@ from jaxamp._autocast._values import (
     promote,
     saturating_cast,
 )
+from jaxamp._autocast._wide import breaks_in, feeds_reduction, is_constant
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
@@ -71,11 +74,25 @@ class Autocaster:
         self.fp8 = fp8  # a Float8Recipe: dots and convs run in FP8 (jaxamp/_fp8)
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
+        # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
+        self._wide_powers: dict[int, tuple[Any, set[int]]] = {}
+        # True inside a custom_jvp's JVP rule (JAX transposes what it computes) and
+        # inside a checkpoint with a policy (which must see the dot_generals).
+        self.transposable = False
+
+    def with_transposable_matmuls(self) -> Autocaster:
+        """The same autocaster, emitting matmuls as JAX's own 16-bit dot_generals."""
+        child = copy.copy(self)
+        child.transposable = True
+        return child
 
     # -- evaluation ---------------------------------------------------------------
 
     def eval_jaxpr(self, closed: jex.ClosedJaxpr, args: Sequence[tuple]) -> list[tuple]:
         """Evaluates ``closed`` on ``(value, role)`` pairs; returns such pairs."""
+        key = id(closed.jaxpr)
+        if key not in self._wide_powers:  # the jaxpr is kept alive with its ids
+            self._wide_powers[key] = (closed.jaxpr, feeds_reduction(closed.jaxpr))
         return eval_jaxpr(closed, args, self._apply, lift=_plain)
 
     def _apply(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
@@ -98,6 +115,28 @@ class Autocaster:
                     to = saturating_cast if ins[i][1] == PLAIN else cast
                     values[i] = to(values[i], target)
         return values, max((r for v, r in ins if is_float(v)), default=PLAIN)
+
+    def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
+        """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
+        roles = [r for v, r in ins if is_float(v)]
+        if PINNED in roles or ACTIVATION not in roles:
+            return False  # nothing is narrowed
+        if any(id(eqn) in wide for _, wide in self._wide_powers.values()):
+            return True  # a power or product on its way into a float32 sum
+        plain = [v for v, r in ins if is_float(v) and r == PLAIN]
+        if any(breaks_in(v, self.compute_dtype) for v in plain):
+            return True  # an eps that underflows
+        if eqn.primitive.name == "div":
+            divisor, role = ins[1]
+            # A traced float32 divisor (a count, a norm) may be tiny; a constant
+            # that fits (x / 2.0, x / sqrt(d)) is safe, one that does not broke above.
+            return (
+                is_float(divisor)
+                and role == PLAIN
+                and _wider(divisor, self.compute_dtype)
+                and not is_constant(divisor)
+            )
+        return False
 
     def role_of_cast(self, dtype: np.dtype) -> int:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
@@ -127,6 +166,10 @@ class Autocaster:
         return [(np.dtype(s.dtype), r) for s, r in zip(shapes, box, strict=True)]
 
 
+def _wider(value: Any, dtype: np.dtype) -> bool:
+    return np.dtype(value.dtype).itemsize > dtype.itemsize
+
+
 def _groups(eqn: jex.JaxprEqn, ins: list[tuple]) -> dict[np.dtype, list[int]]:
     # Operands traced with the same dtype must again share one dtype.
     groups: dict[np.dtype, list[int]] = {}
@@ -146,6 +189,8 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     of an autocast value) was cast on purpose: the cast is kept, and its target
     decides the role.
     """
+    if ac.breaks_in_compute_dtype(eqn, ins):
+        return float32(ac, eqn, ins)
     values, role = ac.follow_values(eqn, ins)
     operand_dtypes = {v.dtype for v in values if is_float(v)}
     outs = []
@@ -193,7 +238,7 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain)
     else:
         lhs, rhs = cast(lhs, ac.compute_dtype), cast(rhs, ac.compute_dtype)
-        matmul = run_matmul
+        matmul = functools.partial(run_matmul, transposable=ac.transposable)
     unpad = None
     if ac.pad_to is not None:
         lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._autocast._caster import keep
 from jaxamp._autocast._scatter import SCATTER_RULES
-from jaxamp._autocast._values import PLAIN, aval, cast, is_float, promote
+from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, is_float, promote
+from jaxamp._autocast._wide import accumulator_carries
 from jaxamp._engine import _compat as compat
 
 __all__ = ["CARRY_TYPE_ROUNDS", "HIGHER_ORDER_RULES"]
@@ -55,6 +57,8 @@ def _handle_remat(ac, eqn, ins):
     parts = compat.remat_parts(eqn)
     values, roles = _split(ins)
     box: list = []
+    if parts.policy is not None:  # dots_saveable & co. must see dot_generals
+        ac = ac.with_transposable_matmuls()
     fun = ac.function_of(parts.jaxpr, (), roles, box)
     outs = jax.checkpoint(fun, prevent_cse=parts.prevent_cse, policy=parts.policy)(*values)
     return list(zip(outs, box, strict=True))
@@ -72,7 +76,8 @@ def _handle_custom_jvp(ac, eqn, ins):
         zeros = [compat.is_float0(t) for t in tangents]
         closed, out_zeros = parts.jvp_jaxpr(zeros)
         nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
-        outs = ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
+        rule_ac = ac.with_transposable_matmuls()  # JAX transposes the tangent products under grad
+        outs = rule_ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
         primal_outs = [v for v, _ in outs[: len(out_zeros)]]
         nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])
         p_out, t_out = [], []
@@ -105,12 +110,27 @@ def _join(carry: tuple, out: tuple) -> tuple:
 
 def _fixpoint(ac, closed, prefix, init, extra_types, n_carry) -> list[tuple]:
     types = [(np.dtype(v.dtype) if is_float(v) else None, r) for v, r in init]
+    # A float32 accumulator (running sum, EMA, Euler step) stays float32: see _wide.
+    traced = closed.jaxpr.invars[len(prefix) : len(prefix) + n_carry]
+    fixed = [
+        acc and t[0] is not None and np.dtype(var.aval.dtype).itemsize > ac.compute_dtype.itemsize
+        for acc, t, var in zip(
+            accumulator_carries(closed.jaxpr, len(prefix), n_carry), types, traced, strict=True
+        )
+    ]
+    types = [
+        (np.dtype(var.aval.dtype), PINNED) if f else t
+        for f, t, var in zip(fixed, types, traced, strict=True)
+    ]
     for _ in range(CARRY_TYPE_ROUNDS):
         avals = [
             (aval(v, dt), r) for (v, _), (dt, r) in zip(init, types, strict=True)
         ] + extra_types
         outs = ac.probe(closed, prefix, avals)[:n_carry]
-        new = [_join(t, o) if t[0] is not None else t for t, o in zip(types, outs, strict=True)]
+        new = [
+            _join(t, o) if t[0] is not None and not f else t
+            for t, o, f in zip(types, outs, fixed, strict=True)
+        ]
         if new == types:
             break
         types = new
@@ -153,6 +173,10 @@ def _handle_scan(ac, eqn, ins):
 
 def _handle_while(ac, eqn, ins):
     p = compat.while_parts(eqn)
+    if p.cond_jaxpr.out_avals[0].shape != ():
+        # vmap of a while loop with a batched predicate (jax.scipy.special.expi):
+        # lax.while_loop cannot rebuild it; running it as traced is always correct.
+        return keep(ac, eqn, ins)
     cond_consts = list(ins[: p.cond_nconsts])
     body_consts = list(ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts])
     init = list(ins[p.cond_nconsts + p.body_nconsts :])

@@ -119,14 +119,29 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
     return matmul
 
 
-def run_matmul(eqn: jex.JaxprEqn, x: Any, w: Any, *extra: Any, dtype: np.dtype) -> Any:
+def _transposable(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
+    # The product as hand-written 16-bit code has it (Flax's dtype=bfloat16 layers):
+    # a 16-bit dot_general whose result is 16-bit, which backends accumulate in
+    # float32. JAX differentiates and transposes it itself (no custom_vjp, no
+    # optimization barrier), and checkpoint policies see a dot_general.
+    return prim.bind(x, w, *extra, **{**params, "preferred_element_type": dtype})
+
+
+def run_matmul(
+    eqn: jex.JaxprEqn, x: Any, w: Any, *extra: Any, dtype: np.dtype, transposable: bool = False
+) -> Any:
     """The product of ``eqn`` on compute-dtype operands, result in ``dtype``.
 
     ``extra`` are the equation's non-floating operands after the two factors.
+    ``transposable``: for code JAX linearizes and transposes itself (the JVP
+    rule of a ``custom_jvp`` under ``jax.grad``), which a ``custom_vjp`` breaks,
+    and for ``jax.checkpoint`` bodies whose policy must see the dots.
     """
     if dtype.itemsize >= 4:
         # float32 (or wider) compute: run as written, so a float32 policy is exact.
         return compat.bind_eqn(eqn, [x, w, *extra])[0]
+    if transposable:
+        return _transposable(eqn.primitive, dict(eqn.params), dtype, x, w, *extra)
     return _mixed_matmul(eqn.primitive, dict(eqn.params), dtype)(x, w, *extra)
 
 

@@ -14,6 +14,9 @@ A rule is one of these kinds (or a callable, see :func:`jaxamp.autocast`):
   losses stay float32 once there), else the compute dtype if any is an
   activation, else they run as traced. Parameters and constants therefore
   follow the activation they meet: ``x_bf16 + bias_f32`` runs in bfloat16.
+  Except where 16 bits would break a float32 value (a power or product feeding
+  a sum, a division by a traced float32 value, a constant that underflows):
+  then the equation runs in float32 (``_wide.py``).
 - ``"keep"``: run exactly as traced; floating operands are cast back to their
   traced dtypes. Safe for anything (bit casts, callbacks, primitives whose
   params hold typed jaxprs).
@@ -98,6 +101,7 @@ _FLOAT32 = (
     "tridiagonal_solve",
     "fft",
     "complex",
+    "conj",  # complex-valued: no 16-bit kernel (conj rejects float16)
 )
 
 _KEEP = (
@@ -110,6 +114,10 @@ _KEEP = (
     "select_and_gather_add",
     "custom_linear_solve",  # linear algebra: its matvec/solve jaxprs run as traced
     "custom_vjp_call",  # its fwd/bwd rules run at the dtypes they were written for
+    # jax 0.12's frexp, ldexp, searchsorted, nonzero(size=), custom_root: typed
+    # objects with their own AD rules (custom_root's implicit differentiation).
+    "call_hi_primitive",
+    "rng_bit_generator",  # the key's bits are its meaning
     "pure_callback",  # host code expects the traced dtypes
     "io_callback",
 )

@@ -21,6 +21,7 @@ import numpy as np
 __all__ = [
     "CALL_NAMES",
     "CUSTOM_CALL_NAMES",
+    "HI_PRIMITIVE_NAMES",
     "INLINE_NAMES",
     "JIT_NAMES",
     "REMAT_NAMES",
@@ -42,6 +43,7 @@ __all__ = [
     "eqn_has_subjaxprs",
     "equation_context",
     "float0_zeros",
+    "hi_primitive_expansion",
     "inline_body",
     "is_float0",
     "jit_parts",
@@ -68,10 +70,16 @@ VERSION_SPECIFIC_PRIMITIVES = {
     "call": "jax < 0.12",
     "closed_call": "jax < 0.12",
     "eval_jaxpr": "jax >= 0.12",
+    "call_hi_primitive": "jax >= 0.12",
     "log2": "jax >= 0.12",
     "one_minus_square": "jax >= 0.12",
     "polynomial": "jax >= 0.12",
 }
+# jax 0.12: operations defined as a Python object (frexp, ldexp, searchsorted,
+# nonzero(size=), lax.custom_root) bind this one primitive; the object, with its
+# own functions and jaxprs, is the ``_prim`` param and ``_prim.expand`` is what
+# it lowers to.
+HI_PRIMITIVE_NAMES = ("call_hi_primitive",)
 # custom_jvp / custom_vjp calls: the primal function is ``call_jaxpr``, taking
 # all the equation's operands.
 CUSTOM_CALL_NAMES = ("custom_jvp_call", "custom_vjp_call")
@@ -133,8 +141,27 @@ def as_closed(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> jex.ClosedJaxpr:
     return jex.ClosedJaxpr(jaxpr, ())
 
 
+def hi_primitive_expansion(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    """What a jax 0.12 ``call_hi_primitive`` equation computes, as a closed jaxpr.
+
+    Its ``_prim`` object holds functions and jaxprs in its own attributes, out
+    of sight of the param scan below; ``_prim.expand`` on the operands is the
+    computation it lowers to (the same call JAX makes when lowering it).
+    """
+    prim = eqn.params["_prim"]
+
+    def expanded(*flat):
+        out = prim.expand(*prim.in_tree.unflatten(flat))
+        return prim.out_tree.flatten_up_to(out)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return jax.make_jaxpr(expanded)(*avals)
+
+
 def sub_closed_jaxprs(eqn: jex.JaxprEqn) -> list[jex.ClosedJaxpr]:
     """The jaxprs held directly in ``eqn``'s params (closed; not recursive)."""
+    if eqn.primitive.name in HI_PRIMITIVE_NAMES:
+        return [hi_primitive_expansion(eqn)]
     found = []
     for value in eqn.params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)

@@ -1,6 +1,6 @@
 """Loss scales as plain pytrees: static configuration, array state.
 
-Each class is a frozen dataclass registered with ``jax.tree_util.register_dataclass``:
+Each class is a frozen dataclass registered as a pytree (``_register``):
 its configuration lives in the tree structure (so it survives jit, scan and
 flatten/unflatten, unlike jmp's ``min_loss_scale``), its state is arrays.
 """
@@ -28,8 +28,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def _state_array(value: Any, dtype: Any, name: str, positive: bool) -> Any:
     """Converts a user-given Python/NumPy scalar to a scalar JAX array.
 
-    JAX arrays (tracers included) and the placeholder leaves JAX puts in trees
-    while transforming them pass through untouched: this runs on every unflatten.
+    JAX arrays (tracers included) pass through untouched. Runs at construction
+    only: unflattening does not call ``__init__`` (see ``_register``).
     """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a number, got the bool {value!r}.")
@@ -262,7 +262,35 @@ class DynamicLossScale(_Scaling):
         return self.min_loss_scale >= 1.0
 
 
+def _register(cls: type) -> None:
+    """Registers ``cls`` as a pytree whose unflatten does not re-run ``__post_init__``.
+
+    Validation is for the values a user passes to the constructor. JAX and
+    Equinox rebuild the tree with whatever leaves a transform needs (bool masks
+    in ``eqx.partition``/``eqx.filter_jit``, ``jax.tree.map(lambda _: True, state)``,
+    None, tracers), which are not loss scales and must pass through untouched.
+    """
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if not f.metadata.get("static"))
+    static = tuple(f.name for f in fields if f.metadata.get("static"))
+
+    def flatten_with_keys(obj):
+        children = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data]
+        return children, tuple(getattr(obj, n) for n in static)
+
+    def flatten(obj):
+        return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in static)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in (*zip(static, aux, strict=True), *zip(data, children, strict=True)):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 for _cls in typing.get_args(LossScale):
-    jax.tree_util.register_dataclass(_cls)
+    _register(_cls)

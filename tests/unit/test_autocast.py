@@ -115,10 +115,12 @@ def _float32_reference(name):
     return jax.jit(lambda p, x: (apply(p, x), jax.grad(_loss(apply))(p, x)))(params, x)
 
 
-def _hand_cast_grads(loss, params, x, dtype):
-    # The reference a user would write by hand: params and inputs cast to 16 bits.
+def _hand_cast_grads(apply, params, x, dtype):
+    # The reference a careful user would write by hand: params and inputs cast to
+    # 16 bits, the loss (a mean of squares) computed in float32.
     def cast_loss(p, x):
-        return loss(jaxamp.cast_floating(p, dtype), x.astype(dtype)).astype(jnp.float32)
+        out = apply(jaxamp.cast_floating(p, dtype), x.astype(dtype))
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
     with jax.numpy_dtype_promotion("standard"):
         return jax.jit(jax.grad(cast_loss))(params, x)
@@ -137,7 +139,7 @@ def test_outputs_and_grads_match_float32(name, policy, tol):
         )
     )
     got_out, got_grads = out_and_grads(params, x)
-    hand = _hand_cast_grads(loss, params, x, jaxamp.get_policy(policy).compute_dtype)
+    hand = _hand_cast_grads(apply, params, x, jaxamp.get_policy(policy).compute_dtype)
     assert got_out.dtype == F32
     assert 0 < rel_err(got_out, want_out) < tol  # > 0: the 16-bit rounding is real
     for key in params:

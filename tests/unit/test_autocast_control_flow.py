@@ -140,3 +140,48 @@ def test_checkpoint_keeps_its_policy():
     jaxpr = jax.make_jaxpr(jaxamp.autocast(f))(W, X).jaxpr
     (remat,) = [e for e in jaxpr.eqns if "remat" in e.primitive.name]
     assert remat.params["policy"] is policy
+
+
+@jax.custom_jvp
+def _tanh_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+@_tanh_layer.defjvp
+def _tanh_layer_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    y = jnp.tanh(x @ w)
+    return y, (1 - y * y) * (dx @ w + x @ dw)  # matmuls on the tangents
+
+
+def _root(a, b):
+    def solve(_, x0):
+        return jax.lax.fori_loop(0, 20, lambda i, x: x - 0.2 * (a @ x - b), x0)
+
+    return jax.lax.custom_root(lambda x: a @ x - b, jnp.zeros_like(b), solve, lambda g, y: y)
+
+
+def test_grad_through_custom_jvp_rules_with_matmuls():
+    # Reverse mode transposes the JVP rule: its products must be transposable.
+    cases = [
+        (lambda w, x: jnp.sum(_tanh_layer(w, x) ** 2), W, X),
+        (lambda w, x: jnp.sum(jnp.linalg.pinv(x @ w + jnp.eye(4, 8)) ** 2), W, X),
+        (lambda a, b: jnp.sum(_root(a @ a.T + 2.0 * jnp.eye(8), b[0]) ** 2), W, X),
+    ]
+    for fun, *args in cases:
+        want = jax.grad(fun)(*args)
+        got = jax.jit(jax.grad(jaxamp.autocast(fun)))(*args)
+        assert got.dtype == F32
+        assert_close(got, want, 5e-2)
+        exact = jax.jit(jax.grad(jaxamp.autocast(fun, "float32")))(*args)
+        assert_close(exact, want, 1e-6)
+
+
+def test_while_loop_with_a_batched_predicate_runs_as_traced():
+    # jax.scipy.special.expi holds a vmapped while loop whose predicate is an array:
+    # lax.while_loop cannot rebuild it, so it runs as traced (float32).
+    def f(w, x):
+        return jax.scipy.special.expi(jnp.abs(x @ w) + 0.1)
+
+    got = jax.jit(jaxamp.autocast(f, "mixed_float16"))(W, X)
+    assert_close(got, f(W, X), 2e-2)

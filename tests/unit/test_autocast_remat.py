@@ -1,4 +1,9 @@
-"""autocast(..., remat_float32=True): only 16-bit values are saved for the backward pass."""
+"""autocast(..., remat_float32=True): only 16-bit values are saved for the backward pass.
+
+And jax.checkpoint policies that name dots see autocast's matmuls.
+"""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from tests.helpers import rel_err
+from tests.helpers import assert_close, dot_dtypes, rel_err
 from tests.unit.test_autocast import _float32_reference, _loss, _model
 
 F32 = np.dtype(np.float32)
@@ -86,3 +91,81 @@ def test_the_policy_saves_outputs_it_cannot_type():
 def test_remat_float32_bad_input(bad):
     with pytest.raises(TypeError, match="remat_float32 must be True or False; got"):
         jaxamp.autocast(jnp.sin, remat_float32=bad)
+
+
+def _compiled_dots(fun, *args) -> int:
+    text = jax.jit(jax.grad(fun)).lower(*args).compile().as_text()
+    return len(re.findall(r"= \S+ dot\(", text))
+
+
+def _two_matmul_layer(h, w):
+    w1, w2 = w
+    return jnp.tanh(jnp.tanh(h @ w1) @ w2), None
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    ],
+)
+def test_checkpoint_policies_that_name_dots_see_the_matmuls(policy):
+    # Saved dots are not recomputed: the compiled backward has as many dots as float32's.
+    def net(ws, x):
+        body = jax.checkpoint(_two_matmul_layer, policy=policy)
+        return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    key = jax.random.key(3)
+    ws = tuple(0.3 * jax.random.normal(k, (3, 16, 16)) for k in jax.random.split(key))
+    x = jax.random.normal(jax.random.key(4), (8, 16))
+    want = _compiled_dots(net, ws, x)
+    assert want == 6  # 2 forward, 4 backward: nothing recomputed
+    assert _compiled_dots(jaxamp.autocast(net), ws, x) == want
+    got = jax.jit(jax.grad(jaxamp.autocast(net)))(ws, x)
+    assert_close(got, jax.grad(net)(ws, x), 5e-2)
+    assert set(dot_dtypes(jaxamp.autocast(net), ws, x)) == {("bfloat16", "bfloat16")}
+
+
+def test_linen_and_nnx_remat_policies_see_the_matmuls():
+    from flax import linen as nn
+    from flax import nnx
+
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(16)(jnp.tanh(nn.Dense(16)(x))))
+
+    linen_block = nn.remat(Block, policy=policy)()
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    stacked = jax.vmap(lambda k: linen_block.init(k, x))(jax.random.split(jax.random.key(1), 3))
+
+    def linen_loss(params, x):
+        h, _ = jax.lax.scan(lambda h, p: (linen_block.apply(p, h), None), x, params)
+        return jnp.sum(h**2)
+
+    want = _compiled_dots(linen_loss, stacked, x)
+    assert want == 6 and _compiled_dots(jaxamp.autocast(linen_loss), stacked, x) == want
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(16, 16, rngs=rngs), nnx.Linear(16, 16, rngs=rngs)
+
+    graphdef, _ = nnx.split(NnxBlock(nnx.Rngs(0)))
+    states = jax.vmap(lambda k: nnx.split(NnxBlock(nnx.Rngs(k)))[1])(
+        jax.random.split(jax.random.key(2), 3)
+    )
+
+    @nnx.remat(policy=policy)
+    def run(model, h):
+        return jnp.tanh(model.b(jnp.tanh(model.a(h))))
+
+    def nnx_loss(states, x):
+        h, _ = jax.lax.scan(lambda h, s: (run(nnx.merge(graphdef, s), h), None), x, states)
+        return jnp.sum(h**2)
+
+    want = _compiled_dots(nnx_loss, states, x)
+    assert want == 6 and _compiled_dots(jaxamp.autocast(nnx_loss), states, x) == want

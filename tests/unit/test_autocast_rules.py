@@ -64,6 +64,7 @@ def _forward_only(x):
     y = jax.lax.while_loop(lambda c: c[0] > 10.0, lambda c: c * 0.5, x)
     y = y + jax.lax.reduce((x, x), (0.0, 0.0), lambda a, b: (a[0] + b[0], a[1]), (0,))[0]
     y = y + jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    y = y + jnp.ldexp(*jnp.frexp(x)) + jnp.searchsorted(x, x[::-1]).astype(x.dtype)
     return y + io_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
 
@@ -108,6 +109,43 @@ def test_the_zoo_runs_under_autocast_without_unknown_primitives():
             assert np.isfinite(np.asarray(jax.jit(jaxamp.autocast(fun))(X))).all()
         grads = jax.jit(jax.grad(lambda x: jaxamp.autocast(_zoo)(x).sum()))(X)
     assert np.isfinite(np.asarray(grads)).all()
+
+
+def _root_by_fixed_iterations(a, b):
+    # 30 gradient steps on |a x - b|^2 inside lax.custom_root (jax 0.12: call_hi_primitive).
+    def solve(_, x0):
+        return jax.lax.fori_loop(0, 30, lambda i, x: x - 0.1 * (a @ x - b), x0)
+
+    return jax.lax.custom_root(lambda x: a @ x - b, jnp.zeros_like(b), solve, lambda g, y: y)
+
+
+def test_operations_held_in_hi_primitives_are_seen_and_typed():
+    w, x = jnp.eye(4), jnp.array([[0.3, -1.5, 7.0, 2.5]])
+
+    def ldexp(w, x):
+        return jnp.ldexp(x @ w, 3)
+
+    def frexp_ldexp(w, x):
+        mantissa, exponent = jnp.frexp(x @ w)
+        return jnp.ldexp(mantissa, exponent + 1)
+
+    def lookups(w, x):
+        h = (x @ w)[0]
+        grid = jnp.linspace(-2.0, 8.0, 5)
+        counts = jnp.histogram(h, bins=grid)[0].astype(h.dtype)
+        first = jnp.nonzero(h > 0, size=4)[0].astype(h.dtype)
+        return jnp.interp(h, grid, grid**2) + counts.sum() + first
+
+    for fun in (ldexp, frexp_ldexp, lookups):
+        out = jax.jit(jaxamp.autocast(fun))(w, x)
+        assert out.dtype == jnp.float32, fun.__name__
+        np.testing.assert_allclose(out, fun(w, x), rtol=2e-2, err_msg=fun.__name__)
+        np.testing.assert_array_equal(jax.jit(jaxamp.autocast(fun, "float32"))(w, x), fun(w, x))
+    a, b = 2.0 * jnp.eye(4), jnp.ones(4)
+    report = jaxamp.precision_report(_root_by_fixed_iterations, a, b)
+    assert sum(m.count for m in report.matmuls) == 30
+    got = jax.jit(jaxamp.autocast(_root_by_fixed_iterations))(a, b)
+    np.testing.assert_allclose(got, _root_by_fixed_iterations(a, b), rtol=2e-2)
 
 
 def test_per_call_rules_override_and_callable():

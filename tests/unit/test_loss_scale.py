@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
+import optax
 import pytest
 
 import jaxamp
@@ -249,3 +250,52 @@ def test_adjust_rejects_non_bool_scalars(flag, fragment):
     for ls in (DynamicLossScale(), StaticLossScale(2.0), NoOpLossScale()):
         with pytest.raises(TypeError, match=f"grads_finite must be a bool scalar.*{fragment}"):
             ls.adjust(flag)
+
+
+def test_unflatten_does_not_validate_so_filters_and_masks_work():
+    # eqx.partition / eqx.filter_jit and tree-wide masks rebuild the state with
+    # bool (or None) leaves: the constructor validates, unflatten must not.
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    opt_state = tx.init({"w": jnp.ones(3)})
+    mask = jax.tree.map(lambda _: True, opt_state)
+    ls = jaxamp.get_loss_scale(mask)
+    assert ls.loss_scale is True and ls.counter is True and ls.growth_interval == 2000
+    for scale in (DynamicLossScale(8.0, growth_interval=3), StaticLossScale(4.0)):
+        leaves, treedef = jax.tree.flatten(scale)
+        back = jax.tree.unflatten(treedef, [None] * len(leaves))
+        assert back.loss_scale is None
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(scale)]
+        assert paths[0] == ".loss_scale"
+    # The constructor still rejects the same values.
+    with pytest.raises(TypeError, match="loss_scale must be a number, got the bool True"):
+        DynamicLossScale(loss_scale=True)
+    with pytest.raises(TypeError, match="loss_scale must be a number, got the bool True"):
+        StaticLossScale(True)
+
+
+def test_equinox_filter_jit_train_step():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), DynamicLossScale(2.0**10))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    x = jnp.ones((3, 4))
+
+    @eqx.filter_jit
+    def step(model, opt_state, x):
+        def loss(m):
+            return jnp.mean(jax.vmap(m)(x) ** 2)
+
+        grad_fn = jaxamp.scaled_value_and_grad(
+            loss, jaxamp.get_loss_scale(opt_state), value_and_grad=eqx.filter_value_and_grad
+        )
+        value, grads = grad_fn(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    model2, opt_state2, value = step(model, opt_state, x)
+    want = jnp.mean(jax.vmap(model)(x) ** 2)
+    assert float(value) == pytest.approx(float(want), rel=1e-6)
+    assert int(jaxamp.get_loss_scale(opt_state2).counter) == 1
+    assert not np.array_equal(np.asarray(model2.weight), np.asarray(model.weight))
+    params, static = eqx.partition(opt_state2, eqx.is_array)
+    assert jax.tree.leaves(eqx.combine(params, static)) == jax.tree.leaves(opt_state2)

@@ -1,0 +1,191 @@
+"""Where 16 bits would break a float32 value: the exceptions to "follow".
+
+A careful engineer converting code to 16 bits by hand casts parameters and
+inputs to 16 bits but keeps in float32 what 16 bits would break:
+
+- powers and products that a sum consumes (norm statistics, ``mean(x**2)``): in
+  float16 a channel with ``|x| >= 256`` squares to inf, in bfloat16 Flax's fast
+  variance ``E[x^2] - E[x]^2`` cancels. Only the reduction after them was
+  float32; now the products are too (they fuse into the reduction, so nothing
+  16-bit is stored less);
+- loop accumulators (a running sum, an EMA, an Euler step): a float32 carry the
+  body updates arithmetically from its old value stays float32, as JAX's own
+  promotion (float32 + bfloat16 -> float32) keeps it in hand-cast code; a
+  carry recomputed through a matmul or a nonlinearity (an RNN's hidden state)
+  still takes the body's 16-bit dtype;
+- divisors: ``x / (n + 1e-5)`` with a traced float32 ``n`` divides in float32
+  (in float16, 1/1e-5 is inf);
+- constants the compute dtype cannot hold: an ``eps`` of ``1e-8`` is 0 in
+  float16, so ``log(p + 1e-8)`` becomes ``log(0)``. An equation meeting such a
+  constant runs in float32. Huge constants (mask fill values) saturate instead,
+  see ``_values.saturating_cast``.
+
+The measurements behind these choices are in docs/api/autocast.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+__all__ = ["accumulator_carries", "breaks_in", "feeds_reduction", "is_constant"]
+
+# Powers and products computed in float32 when a float32 sum consumes them.
+_POWERS = frozenset({"square", "integer_pow", "mul"})
+# Reductions that run in float32 (the "float32" rule).
+_SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "reduce_prod"})
+# Operations a value passes through around a loop without being recomputed by a
+# matmul or a nonlinearity.
+_ARITHMETIC = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "square",
+        "integer_pow",
+        "select_n",
+        "convert_element_type",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "rev",
+        "copy",
+        "copy_p",
+    }
+)
+_ACCUMULATE = frozenset({"add", "add_any", "sub"})
+# What a value passes through on its way into a sum without being recomputed.
+_SHAPE = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "rev",
+        "copy",
+        "copy_p",
+    }
+)
+
+
+def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[jex.JaxprEqn]]:
+    users: dict[Any, list[jex.JaxprEqn]] = {}
+    for eqn in jaxpr.eqns:
+        for atom in eqn.invars:
+            if isinstance(atom, jex.Var):
+                users.setdefault(atom, []).append(eqn)
+    return users
+
+
+def feeds_reduction(jaxpr: jex.Jaxpr) -> set[int]:
+    """``id``s of the power/product equations whose result a float32 sum consumes.
+
+    Directly, through shape operations and converts (``mean(square(x).reshape(...))``),
+    or, for a power, through one product (``sum(x**2 * mask)``). Not through other
+    arithmetic: a scale applied long before some later sum stays with the activation.
+    """
+    users = _consumers(jaxpr)
+    memo: dict[Any, bool] = {}
+
+    def reaches_sum(var: Any) -> bool:
+        if var not in memo:
+            memo[var] = False  # jaxprs are acyclic; this only guards re-entry
+            for eqn in users.get(var, ()):
+                name = eqn.primitive.name
+                if name in _SUMS or (name in _SHAPE and any(reaches_sum(o) for o in eqn.outvars)):
+                    memo[var] = True
+                    break
+        return memo[var]
+
+    def product_reaches_sum(var: Any) -> bool:
+        return any(
+            eqn.primitive.name == "mul" and any(reaches_sum(o) for o in eqn.outvars)
+            for eqn in users.get(var, ())
+        )
+
+    wide = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name not in _POWERS:
+            continue
+        if any(reaches_sum(o) for o in eqn.outvars) or (
+            name != "mul" and any(product_reaches_sum(o) for o in eqn.outvars)
+        ):
+            wide.add(id(eqn))
+    return wide
+
+
+def accumulator_carries(jaxpr: jex.Jaxpr, first_carry: int, n_carry: int) -> list[bool]:
+    """For each loop carry: is its new value an add/sub chain on its old value?
+
+    ``jaxpr`` is a scan or while body whose carries are the inputs
+    ``first_carry : first_carry + n_carry`` and the first ``n_carry`` outputs.
+    """
+    producer = {id(o): eqn for eqn in jaxpr.eqns for o in eqn.outvars}
+
+    def accumulates(out: Any, carry_in: Any) -> bool:
+        # Whether ``out`` is computed from ``carry_in`` by arithmetic alone, with
+        # at least one add or sub on the way.
+        stack, seen = [(out, False)], set()
+        while stack:
+            var, added = stack.pop()
+            if var is carry_in:
+                if added:
+                    return True
+                continue
+            eqn = producer.get(id(var))
+            if eqn is None or (id(eqn), added) in seen or eqn.primitive.name not in _ARITHMETIC:
+                continue
+            seen.add((id(eqn), added))
+            now = added or eqn.primitive.name in _ACCUMULATE
+            stack.extend((a, now) for a in eqn.invars if isinstance(a, jex.Var))
+        return False
+
+    carries_in = jaxpr.invars[first_carry : first_carry + n_carry]
+    return [
+        isinstance(out, jex.Var) and accumulates(out, var)
+        for var, out in zip(carries_in, jaxpr.outvars[:n_carry], strict=True)
+    ]
+
+
+def _concrete(value: Any) -> np.ndarray | None:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)
+    concrete = isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+    if concrete and value.size <= 4096:  # a constant worth looking at, not a weight matrix
+        return np.asarray(value)
+    return None
+
+
+def is_constant(value: Any) -> bool:
+    """A literal or closed-over constant whose values can be looked at."""
+    return _concrete(value) is not None
+
+
+def breaks_in(value: Any, dtype: np.dtype) -> bool:
+    """Whether a concrete constant loses its meaning in ``dtype`` by underflow.
+
+    True when some nonzero finite value becomes 0 or loses more than a few bits
+    of precision as a subnormal (``1e-8`` in float16). Overflow is not counted:
+    huge fill values saturate (see ``_values.saturating_cast``).
+    """
+    array = _concrete(value)
+    if array is None or array.size == 0:
+        return False
+    tiny = float(jax.numpy.finfo(dtype).tiny)
+    magnitude = np.abs(array.astype(np.float64))
+    return bool(np.any((magnitude > 0) & (magnitude < tiny) & np.isfinite(magnitude)))

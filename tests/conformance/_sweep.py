@@ -1,0 +1,320 @@
+"""The conformance sweep: autocast against float32 and a hand-cast reference, API-wide.
+
+For every public function of the swept namespaces, ``signature_of`` finds by
+trial the first generic argument list the function accepts in float32 under
+tracing (``CANDIDATES``); the first argument is always the output of a matmul
+(``x @ w``), so autocast has a 16-bit activation to propagate. ``check`` then
+runs, for one policy:
+
+- no crash where float32 runs (forward; ``grad`` of the summed floating outputs
+  where float32's ``grad`` runs);
+- finite wherever float32 and the hand-cast reference (the same function on
+  16-bit inputs under JAX's standard promotion) are finite;
+- relative error no worse than ``FACTOR`` x the hand-cast reference's (plus the
+  compute dtype's unit roundoff, for functions the reference gets exactly);
+- with the ``"float32"`` policy: bit-identical to the plain function.
+
+Everything runs op by op (no ``jax.jit``): a sweep of hundreds of tiny functions
+is dominated by compile time otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+
+FACTOR = 4.0
+N = 4
+F32 = np.dtype(np.float32)
+
+# name -> one-line reason: functions the sweep does not call, and why.
+EXCLUDED = {
+    # Input/output, printing and configuration: no numerics to check.
+    "save": "writes a file",
+    "savez": "writes a file",
+    "load": "reads a file",
+    "fromfile": "reads a file",
+    "frombuffer": "takes bytes",
+    "fromstring": "takes a string",
+    "fromiter": "takes a Python iterable",
+    "fromfunction": "takes a Python callable and a shape",
+    "printoptions": "printing configuration",
+    "set_printoptions": "printing configuration",
+    "get_printoptions": "printing configuration",
+    "show_config": "prints configuration",
+    "from_dlpack": "takes a DLPack capsule",
+    # Host-side effects and devices.
+    "infeed": "host infeed",
+    "outfeed": "host outfeed",
+    "create_token": "effect token, no value",
+    "after_all": "effect token, no value",
+    "optimization_barrier": "returns its operands unchanged by definition",
+}
+
+# Why the rest are skipped: none of CANDIDATES fits (creation functions, dtype and
+# index utilities, functions needing specific static arguments or integer inputs).
+NO_FLOAT_OUTPUT = (
+    "integer or bool output only (argmax, indices, predicates): needs an oracle "
+    "for ties, not a float error"
+)
+NO_SIGNATURE = "no generic argument list fits (no floating array input, or needs static arguments)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One function with the argument list it accepts."""
+
+    namespace: str
+    name: str
+    fun: Callable
+    args: tuple  # first is the activation's float32 value; the rest as given
+    kwargs: dict
+
+
+def _values(seed: int, shape: Sequence[int], lo: float = 0.2, hi: float = 0.8) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(lo, hi, shape).astype(np.float32)
+
+
+MAT = _values(0, (N, N))
+MAT2 = _values(1, (N, N))
+MAT3 = _values(2, (N, N))
+VEC = _values(3, (N,))
+VEC2 = _values(4, (N,))
+INTS = np.array([[1, 0, 2, 3]] * N, np.int32)
+
+# Generic argument lists, tried in order: the first the function accepts wins.
+CANDIDATES: list[tuple[tuple, dict]] = [
+    ((MAT,), {}),
+    ((MAT, MAT2), {}),
+    ((MAT, MAT2, MAT3), {}),
+    ((VEC,), {}),
+    ((VEC, VEC2), {}),
+    ((MAT, 2), {}),
+    ((MAT, 0), {}),
+    ((MAT, INTS), {}),
+    ((MAT, (N * N,)), {}),
+    ((MAT, (N, N)), {}),
+    ((MAT, MAT2, 1), {}),
+    ((MAT, INTS[0]), {}),
+    ((MAT,), {"axis": 0}),
+    ((VEC, 2), {}),
+    ((MAT, 0.5), {}),
+    ((MAT, MAT2, 0.5), {}),
+    ((MAT, np.float32(0.3), np.float32(0.7)), {}),
+]
+
+
+def _floating(tree: Any) -> list:
+    """The floating and complex leaves (complex: FFTs, eigenvalues)."""
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+
+def _as_model(case: Case) -> Callable:
+    """``f(w, x, *rest)``: ``case.fun`` with its first argument computed as ``x @ w``."""
+
+    def model(w, x, *rest):
+        return case.fun(x @ w, *rest, **case.kwargs)
+
+    return model
+
+
+def _runs(fun: Callable, *args) -> bool | None:
+    """True: runs with floating outputs; None: runs, no floating output; False: fails."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = jax.eval_shape(fun, *args)
+            jax.jit(fun).lower(*args)  # shape errors some functions raise only here
+    except Exception:  # any failure means "not this signature"
+        return False
+    return True if _floating(out) else None
+
+
+def signature_of(namespace: str, name: str, fun: Callable) -> Case | str:
+    """The first candidate argument list ``fun`` accepts (traced, float32), or why none."""
+    reason = NO_SIGNATURE
+    for args, kwargs in CANDIDATES:
+        x = np.asarray(args[0])
+        w = np.eye(x.shape[-1], dtype=np.float32)
+        case = Case(namespace, name, fun, args, kwargs)
+        arrays = [a for a in args[1:] if isinstance(a, np.ndarray)]
+        statics = [a for a in args[1:] if not isinstance(a, np.ndarray)]
+        if statics and arrays:
+            continue  # keep the traced/static split simple: all arrays, or first + statics
+        runs = _runs(_traced(case), w, x, *arrays)
+        if runs:
+            return case
+        if runs is None:
+            reason = NO_FLOAT_OUTPUT
+    return reason
+
+
+def _traced(case: Case) -> Callable:
+    """A function of arrays only: static arguments (ints, shapes) are closed over."""
+    model = _as_model(case)
+    rest = case.args[1:]
+    if all(isinstance(a, np.ndarray) for a in rest):
+        return model
+    return lambda w, x: model(w, x, *rest)
+
+
+def _array_args(case: Case) -> list:
+    x = np.asarray(case.args[0])
+    w = np.eye(x.shape[-1], dtype=np.float32)
+    rest = [a for a in case.args[1:] if isinstance(a, np.ndarray)]
+    if len(rest) != len(case.args) - 1:
+        rest = []
+    return [w, x, *rest]
+
+
+def _rel_error(got: list, want: list) -> float:
+    num = den = 0.0
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.complex128), np.asarray(w, np.complex128)
+        ok = np.isfinite(w) & np.isfinite(g)
+        num += float(np.sum(np.abs(g[ok] - w[ok]) ** 2))
+        den += float(np.sum(np.abs(w[ok]) ** 2))
+    return (num**0.5) / max(den**0.5, 1e-30)
+
+
+def _wide(x: Any) -> np.ndarray:
+    return np.asarray(x, np.complex128 if np.iscomplexobj(x) else np.float64)
+
+
+def _hand_cast(fun: Callable, args: list, dtype: Any) -> list:
+    low = [a.astype(dtype) if a.dtype == F32 else a for a in args]
+    with jax.numpy_dtype_promotion("standard"):
+        return _floating(fun(*low))
+
+
+def _summed(fun: Callable) -> Callable:
+    def total(*args):
+        return sum(jnp.sum(jnp.real(o).astype(jnp.float32)) for o in _floating(fun(*args)))
+
+    return total
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    policy: str
+    failures: list[str]
+    reference: bool = True  # False: the hand-cast reference does not run on this backend
+
+
+def _outputs(fun: Callable, policy: str, with_hand: bool) -> Callable:
+    """float32, autocast, autocast("float32") and hand-cast outputs, in one program."""
+    dtype = jaxamp.get_policy(policy).compute_dtype
+
+    def run(*args):
+        outs = [
+            _floating(fun(*args)),
+            _floating(jaxamp.autocast(fun, policy)(*args)),
+            _floating(jaxamp.autocast(fun, "float32")(*args)),
+        ]
+        return [*outs, _hand_cast(fun, args, dtype) if with_hand else []]
+
+    return run
+
+
+def check(case: Case, policy: str, grad: bool = True) -> Result:
+    """Runs the checks of the module docstring for one function and one policy."""
+    fun, args = _traced(case), _array_args(case)
+    dtype = jaxamp.get_policy(policy).compute_dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            want, got, exact, hand = jax.jit(_outputs(fun, policy, True))(*args)
+            with_hand = True
+        except Exception:  # e.g. no float16 linear algebra on CPU
+            with_hand = False
+            try:
+                want, got, exact, hand = jax.jit(_outputs(fun, policy, False))(*args)
+            except Exception as e:  # reported as a failure
+                message = f"forward raised {type(e).__name__}: {str(e)[:200]}"
+                return Result(case, policy, [message])
+        failures = _compare(want, got, exact, hand, dtype)
+        if grad:
+            failures += _check_grad(fun, args, policy)
+    return Result(case, policy, failures, with_hand)
+
+
+def check_many(cases: Sequence[Case], policies: Sequence[str]) -> list[Result]:
+    """``check(case, policy, grad=False)`` for many at once: one compiled program.
+
+    Compiling one program per tiny function dominates a sweep; a program that
+    fails to build or run (a hand-cast reference without a 16-bit kernel, a
+    crash under autocast) falls back to one program per function.
+    """
+    jobs = [(c, p, _traced(c), _array_args(c)) for c, p in zip(cases, policies, strict=True)]
+
+    def run(all_args):
+        return [_outputs(f, p, True)(*a) for (_, p, f, _), a in zip(jobs, all_args, strict=True)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            outs = jax.jit(run)([a for *_, a in jobs])
+        except Exception:  # fall back to one function at a time
+            return [check(c, p, grad=False) for c, p in zip(cases, policies, strict=True)]
+        return [
+            Result(c, p, _compare(*o, jaxamp.get_policy(p).compute_dtype))
+            for (c, p, _, _), o in zip(jobs, outs, strict=True)
+        ]
+
+
+def _compare(want: list, got: list, exact: list, hand: list, dtype: Any) -> list[str]:
+    failures = []
+    if any(
+        not np.array_equal(np.asarray(e), np.asarray(w), equal_nan=True)
+        for e, w in zip(exact, want, strict=True)
+    ):
+        failures.append("float32 policy not bit-identical")
+    refs = hand if hand else want
+    for g, w, h in zip(got, want, refs, strict=True):
+        should = np.isfinite(np.asarray(w)) & np.isfinite(_wide(h))
+        if np.any(should & ~np.isfinite(_wide(g))):
+            failures.append("non-finite where float32 and the hand-cast reference are finite")
+            break
+    err = _rel_error(got, want)
+    ref = _rel_error(hand, want) if hand else 0.0
+    if err > FACTOR * ref + 8 * float(jnp.finfo(dtype).eps):
+        failures.append(f"error {err:.3g} > {FACTOR} x hand-cast {ref:.3g}")
+    return failures
+
+
+def _check_grad(fun: Callable, args: list, policy: str) -> list[str]:
+    total = _summed(fun)
+    try:
+        want = jax.jit(jax.grad(total))(*args)
+    except Exception:  # not differentiable in float32: nothing to check
+        return []
+    try:
+        got = jax.jit(jax.grad(_summed(jaxamp.autocast(fun, policy))))(*args)
+    except Exception as e:  # reported as a failure
+        return [f"grad raised {type(e).__name__}: {str(e)[:200]}"]
+    if np.isfinite(np.asarray(want)).all() and not np.isfinite(np.asarray(got)).all():
+        return ["grad non-finite where float32's is finite"]
+    return []
+
+
+def public_functions(module: Any) -> list[tuple[str, Callable]]:
+    """The module's public callables that are functions (not classes or modules)."""
+    out = []
+    for name in sorted(dir(module)):
+        value = getattr(module, name, None)
+        if name.startswith("_") or not callable(value):
+            continue
+        if inspect.isclass(value) or inspect.ismodule(value):
+            continue
+        out.append((name, value))
+    return out
