@@ -44,13 +44,14 @@ class Stat(NamedTuple):
     nonfinite: Any  # int32: inf/NaN values
     underflow: Any  # int32: zero/subnormal values this op flushed (see _reduce_stats)
     lost: Any  # int32: zero/subnormal values whose shadow is normal (flushed here or before)
+    saturated: Any  # int32: float8 values at the dtype's max magnitude (see _reduce_stats)
     executions: Any  # int32: how often the equation ran
     origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
     first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
 
 
 _FLOAT_FIELDS = 2
-EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, 0, NEVER, -1], np.int32))
+EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, 0, 0, NEVER, -1], np.int32))
 
 
 def all_finite_flag(x: Any) -> Any:
@@ -100,15 +101,23 @@ def _normal32(x: Any) -> Any:
     return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
 
 
+def _saturated(out: Any, magnitude: Any) -> Any:
+    """1 where a float8 value sits at its dtype's max: clipped there by a saturating cast."""
+    if np.dtype(out.dtype).itemsize != 1:
+        return jnp.zeros(out.shape, jnp.int32)
+    return (magnitude >= np.float32(jnp.finfo(out.dtype).max)).astype(jnp.int32)
+
+
 def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, ...]:
-    """``(max_abs, max_abs of the shadow, inf/NaN, underflow, lost)`` of one output.
+    """``(max_abs, max_abs of the shadow, inf/NaN, underflow, lost, saturated)`` of one output.
 
     The underflow count is what *this* op flushed: zero or subnormal in the output
     dtype, normal in the float32 twin (``shadow``) and in this op computed in float32
     on its real inputs (``local``), so a value an earlier op already zeroed is not
     counted again; ``lost`` counts every value zero or subnormal here and normal in the
-    twin, wherever it was flushed. One variadic reduction: XLA compiles one kernel per
-    output instead of five, which keeps the compile time of a large instrumented
+    twin, wherever it was flushed; ``saturated`` counts the finite values of a float8
+    output at the dtype's largest magnitude. One variadic reduction: XLA compiles one
+    kernel per output instead of six, which keeps the compile time of a large instrumented
     program in proportion.
     """
     magnitude, finite = _finite_abs(out)
@@ -130,11 +139,12 @@ def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, ...]:
             a[2] + b[2],
             a[3] + b[3],
             a[4] + b[4],
+            a[5] + b[5],
         )
 
-    zeros = (np.float32(0), np.float32(0), np.int32(0), np.int32(0), np.int32(0))
+    zeros = (np.float32(0), np.float32(0), *np.zeros(4, np.int32))
     dims = tuple(range(out.ndim))
-    operands = (magnitude, wide, nonfinite, underflow, lost)
+    operands = (magnitude, wide, nonfinite, underflow, lost, _saturated(out, magnitude))
     return tuple(jax.lax.reduce(operands, zeros, combine, dims))
 
 
@@ -163,8 +173,9 @@ def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
     repeat = np.int32(max(out.size, 1) // max(source.size, 1))
-    max_abs, max32, nonfinite, _, lost = ins[0].stats
-    return max_abs, max32, nonfinite * repeat, np.int32(0), lost * repeat  # moving flushes none
+    max_abs, max32, nonfinite, _, lost, saturated = ins[0].stats
+    # Moving flushes none; the values it moves are as many times lost or saturated.
+    return max_abs, max32, nonfinite * repeat, np.int32(0), lost * repeat, saturated * repeat
 
 
 class Recorder:
@@ -235,7 +246,7 @@ class Recorder:
 
     def _update(self, key, stats, inputs_finite) -> None:
         old = self.stats.get(key, EMPTY)
-        max_abs, max32, nonfinite, underflow, lost = stats
+        max_abs, max32, nonfinite, underflow, lost, saturated = stats
         first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
         first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
         self.stats[key] = Stat(
@@ -244,6 +255,7 @@ class Recorder:
             old.nonfinite + nonfinite,
             old.underflow + underflow,
             old.lost + lost,
+            old.saturated + saturated,
             old.executions + 1,
             jnp.where(first_origin, self.clock, old.origin_clock),
             jnp.where(first_bad, self.iteration, old.first_nonfinite_iteration),

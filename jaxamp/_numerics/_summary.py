@@ -18,7 +18,7 @@ def summarise(
 ) -> NumericsReport:
     ops, origin, origin_clock = [], None, NEVER
     for site, (max_abs, max32), row in zip(sites, floats, ints, strict=True):
-        nonfinite, underflow, lost, executions, clock, first_iter = (int(v) for v in row)
+        nonfinite, underflow, lost, saturated, executions, clock, first_iter = (int(v) for v in row)
         size = math.prod(site.shape) * executions
         op = OpStats(
             primitive=site.primitive,
@@ -36,6 +36,7 @@ def summarise(
             first_nonfinite_iteration=first_iter if site.in_loop and first_iter >= 0 else None,
             lost_fraction=lost / size if size else 0.0,
             internal=site.internal,
+            saturated_fraction=saturated / size if size else 0.0,
         )
         ops.append(op)
         if clock < origin_clock:

@@ -51,6 +51,10 @@ class OpStats:
         before): how much of this value float16 lost. At least ``underflow_fraction``.
       internal: a barrier that jaxamp's autocast inserted around a matmul's
         operands (it moves values): in ``ops``, left out of the tables.
+      saturated_fraction: for a float8 output, the fraction of values at the
+        dtype's largest finite magnitude (``448`` in ``float8_e4m3fn``): clipped
+        there by FP8 autocast's saturating cast, or scaled exactly onto it (the
+        amax of each group under current scaling); 0.0 for other dtypes.
     """
 
     primitive: str
@@ -68,6 +72,7 @@ class OpStats:
     first_nonfinite_iteration: int | None = None
     lost_fraction: float = 0.0
     internal: bool = False
+    saturated_fraction: float = 0.0
 
     def _row(self) -> tuple[str, ...]:
         it = self.first_nonfinite_iteration

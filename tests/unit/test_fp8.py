@@ -283,6 +283,37 @@ def test_numerics_report_shows_each_fp8_operand_amax_scale_and_flushed_fraction(
     assert scales == [448.0, 896.0]
 
 
+@pytest.mark.parametrize(
+    ("peak", "power_of_two", "x_saturated"),
+    [
+        (4.0, False, 2 / 64),  # current scaling maps exactly the amax values onto 448
+        (4.0, True, 0.0),  # 2**floor(log2(448 / 4)) = 64: the peak lands on 256
+        (3.5, True, 2 / 64),  # 448 / 3.5 = 128 is a power of two: the peak lands on 448
+    ],
+)
+def test_numerics_report_shows_the_saturated_fraction_of_each_fp8_operand(
+    peak, power_of_two, x_saturated
+):
+    x = np.ones((4, 16), np.float32)
+    x[1, 3], x[2, 5] = peak, -peak  # the two values at the amax, both signs
+    w = np.full((16, 8), 0.5, np.float32)
+    recipe = jaxamp.Float8Recipe(power_of_two_scale=power_of_two)
+    report = jaxamp.numerics_report(lambda w, x: jnp.sum(x @ w), w, x, policy=recipe)
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    casts = [op for op in report.ops if op.primitive == "convert_element_type"]
+    fp8 = sorted((op.shape[2], op.saturated_fraction) for op in casts if op.dtype == e4m3)
+    # w is 0.5 everywhere: every value is its amax (scale 896, or 512 -> 256 with pow2)
+    assert fp8 == [(4, x_saturated), (8, 0.0 if power_of_two else 1.0)]
+    assert all(op.saturated_fraction == 0.0 for op in report.ops if op.dtype != e4m3)
+
+
+def test_saturated_fraction_is_zero_for_a_value_at_a_16_bit_dtypes_max():
+    x = np.full((8,), 32752, np.float16)  # * 2 = 65504, float16's largest finite value
+    report = jaxamp.numerics_report(lambda x: jnp.sum(x * np.float16(2)), x)
+    (mul,) = [op for op in report.ops if op.primitive == "mul"]
+    assert (mul.headroom, mul.saturated_fraction) == (1.0, 0.0)
+
+
 class _Gpu:
     platform, device_kind = "gpu", "NVIDIA GPU"
 
