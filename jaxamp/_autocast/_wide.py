@@ -37,33 +37,6 @@ __all__ = ["accumulator_carries", "breaks_in", "feeds_reduction", "is_constant"]
 _POWERS = frozenset({"square", "integer_pow", "mul"})
 # Reductions that run in float32 (the "float32" rule).
 _SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "reduce_prod"})
-# Operations a value passes through around a loop without being recomputed by a
-# matmul or a nonlinearity.
-_ARITHMETIC = frozenset(
-    {
-        "add",
-        "add_any",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "square",
-        "integer_pow",
-        "select_n",
-        "convert_element_type",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "transpose",
-        "slice",
-        "dynamic_slice",
-        "rev",
-        "copy",
-        "copy_p",
-    }
-)
-_ACCUMULATE = frozenset({"add", "add_any", "sub"})
 # What a value passes through on its way into a sum without being recomputed.
 _SHAPE = frozenset(
     {
@@ -80,6 +53,20 @@ _SHAPE = frozenset(
         "copy_p",
     }
 )
+# Operations a value passes through around a loop without being recomputed by a
+# matmul or a nonlinearity.
+_ARITHMETIC = _SHAPE | {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "square",
+    "integer_pow",
+    "select_n",
+}
+_ACCUMULATE = frozenset({"add", "add_any", "sub"})
 
 
 def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[jex.JaxprEqn]]:
