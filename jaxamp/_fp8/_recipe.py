@@ -25,11 +25,16 @@ _COMPUTE_DTYPES = ("bfloat16", "float16")
 FP8_PRESET = "mixed_float8"
 
 
-def _fp8_dtype(value: Any, argument: str, default: str) -> np.dtype:
+def _as_dtype(value: Any) -> np.dtype | None:
+    """``value`` as a NumPy dtype, or None if it names none."""
     try:
-        dtype = np.dtype(jnp.dtype(value))
+        return np.dtype(jnp.dtype(value))
     except TypeError:
-        dtype = None
+        return None
+
+
+def _fp8_dtype(value: Any, argument: str, default: str) -> np.dtype:
+    dtype = _as_dtype(value)
     if dtype is None or dtype.name not in _FP8_DTYPES:
         raise TypeError(
             f"Float8Recipe({argument}=...) must be jnp.float8_e4m3fn or jnp.float8_e5m2 "
@@ -41,10 +46,7 @@ def _fp8_dtype(value: Any, argument: str, default: str) -> np.dtype:
 
 
 def _compute_dtype(value: Any) -> np.dtype:
-    try:
-        dtype = np.dtype(jnp.dtype(value))
-    except TypeError:
-        dtype = None
+    dtype = _as_dtype(value)
     if dtype is None or dtype.name not in _COMPUTE_DTYPES:
         raise TypeError(
             "Float8Recipe(compute_dtype=...) is the dtype of matmul results and of "
