@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
+from tests.conformance import _args
 
 FACTOR = 4.0
 N = 4
@@ -140,17 +141,15 @@ def _runs(fun: Callable, *args) -> bool | None:
 
 
 def signature_of(namespace: str, name: str, fun: Callable) -> Case | str:
-    """The first candidate argument list ``fun`` accepts (traced, float32), or why none."""
+    """The first argument list ``fun`` accepts (traced, float32), or why none.
+
+    The function's own lists in ``_args.SPECIFIC`` (keyed ``"namespace.name"``)
+    are tried before the generic ``CANDIDATES``.
+    """
     reason = NO_SIGNATURE
-    for args, kwargs in CANDIDATES:
-        x = np.asarray(args[0])
-        w = np.eye(x.shape[-1], dtype=np.float32)
+    for args, kwargs in [*_args.SPECIFIC.get(f"{namespace}.{name}", []), *CANDIDATES]:
         case = Case(namespace, name, fun, args, kwargs)
-        arrays = [a for a in args[1:] if isinstance(a, np.ndarray)]
-        statics = [a for a in args[1:] if not isinstance(a, np.ndarray)]
-        if statics and arrays:
-            continue  # keep the traced/static split simple: all arrays, or first + statics
-        runs = _runs(_traced(case), w, x, *arrays)
+        runs = _runs(_traced(case), *_array_args(case))
         if runs:
             return case
         if runs is None:
@@ -159,21 +158,24 @@ def signature_of(namespace: str, name: str, fun: Callable) -> Case | str:
 
 
 def _traced(case: Case) -> Callable:
-    """A function of arrays only: static arguments (ints, shapes) are closed over."""
+    """A function of the arrays only: static arguments (ints, shapes) are closed over
+    at their positions."""
     model = _as_model(case)
     rest = case.args[1:]
-    if all(isinstance(a, np.ndarray) for a in rest):
-        return model
-    return lambda w, x: model(w, x, *rest)
+    is_array = [isinstance(a, np.ndarray) for a in rest]
+
+    def traced(w, x, *arrays):
+        given = iter(arrays)
+        return model(w, x, *(next(given) if a else s for a, s in zip(is_array, rest, strict=True)))
+
+    return traced
 
 
 def _array_args(case: Case) -> list:
+    """``[w, x, *array arguments after the first]``, ``w`` the identity."""
     x = np.asarray(case.args[0])
     w = np.eye(x.shape[-1], dtype=np.float32)
-    rest = [a for a in case.args[1:] if isinstance(a, np.ndarray)]
-    if len(rest) != len(case.args) - 1:
-        rest = []
-    return [w, x, *rest]
+    return [w, x, *(a for a in case.args[1:] if isinstance(a, np.ndarray))]
 
 
 def _rel_error(got: list, want: list) -> float:

@@ -1,0 +1,12 @@
+"""Argument lists for the functions the generic ``_sweep.CANDIDATES`` do not fit.
+
+``SPECIFIC["namespace.name"]`` is a list of ``(args, kwargs)`` tried, in order,
+before the generic candidates, in the same form: ``args[0]`` is the float32
+value of the activation (the sweep feeds it as ``x @ w``), every later
+``np.ndarray`` is a traced argument, anything else (ints, shapes, dimension
+numbers, callables) is static and closed over at its position.
+"""
+
+from __future__ import annotations
+
+SPECIFIC: dict[str, list[tuple[tuple, dict]]] = {}
