@@ -4,9 +4,12 @@
 before the generic candidates, in the same form: ``args[0]`` is the float32
 value of the activation (the sweep feeds it as ``x @ w``), every later
 ``np.ndarray`` is a traced argument, anything else (ints, shapes, dimension
-numbers, callables) is static and closed over at its position.
+numbers, callables) is static and closed over at its position. The lists live
+in one module per family of namespaces.
 """
 
 from __future__ import annotations
 
-SPECIFIC: dict[str, list[tuple[tuple, dict]]] = {}
+from tests.conformance import _args_lax, _args_numpy
+
+SPECIFIC: dict[str, list[tuple[tuple, dict]]] = {**_args_numpy.SPECIFIC, **_args_lax.SPECIFIC}
