@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +60,22 @@ EXCLUDED = {
     "create_token": "effect token, no value",
     "after_all": "effect token, no value",
     "optimization_barrier": "returns its operands unchanged by definition",
+    # jax.lax shape arithmetic and backend-specific collectives.
+    "broadcast_shapes": "shape arithmetic: takes and returns shapes, no array",
+    "conv_dimension_numbers": "shape arithmetic: takes and returns shapes, no array",
+    "conv_general_permutations": "shape arithmetic: takes and returns shapes, no array",
+    "conv_general_shape_tuple": "shape arithmetic: takes and returns shapes, no array",
+    "conv_shape_tuple": "shape arithmetic: takes and returns shapes, no array",
+    "conv_transpose_shape_tuple": "shape arithmetic: takes and returns shapes, no array",
+    "padtype_to_pads": "shape arithmetic: takes and returns shapes, no array",
+    "reduce_window_shape_tuple": "shape arithmetic: takes and returns shapes, no array",
+    "shape_as_value": "shape arithmetic: takes and returns shapes, no array",
+    "dce_sink": "returns nothing: keeps a value alive through dead-code elimination",
+    "pbroadcast": "no XLA:CPU lowering, and its vmap rule fails in JAX itself",
+    "psend": "implemented on GPU only",
+    "precv": "implemented on GPU only",
+    "ragged_all_to_all": "XLA:CPU has no ragged all-to-all",
+    "rng_uniform": "stateful random numbers: every call differs, no reference to compare",
 }
 
 # Why the rest are skipped: none of CANDIDATES fits (creation functions, dtype and
@@ -79,6 +96,10 @@ class Case:
     fun: Callable
     args: tuple  # first is the activation's float32 value; the rest as given
     kwargs: dict
+    # How to call ``fun`` (its first argument is the activation): ``call(fun, *args,
+    # **kwargs)``; for functions whose activation is not their first argument (a
+    # predicate, a callable, an integer view).
+    call: Callable | None = None
 
 
 def _values(seed: int, shape: Sequence[int], lo: float = 0.2, hi: float = 0.8) -> np.ndarray:
@@ -123,6 +144,8 @@ def _as_model(case: Case) -> Callable:
     """``f(w, x, *rest)``: ``case.fun`` with its first argument computed as ``x @ w``."""
 
     def model(w, x, *rest):
+        if case.call is not None:
+            return case.call(case.fun, x @ w, *rest, **case.kwargs)
         return case.fun(x @ w, *rest, **case.kwargs)
 
     return model
@@ -147,8 +170,8 @@ def signature_of(namespace: str, name: str, fun: Callable) -> Case | str:
     are tried before the generic ``CANDIDATES``.
     """
     reason = NO_SIGNATURE
-    for args, kwargs in [*_args.SPECIFIC.get(f"{namespace}.{name}", []), *CANDIDATES]:
-        case = Case(namespace, name, fun, args, kwargs)
+    for args, kwargs, *call in [*_args.SPECIFIC.get(f"{namespace}.{name}", []), *CANDIDATES]:
+        case = Case(namespace, name, fun, args, kwargs, *call)
         runs = _runs(_traced(case), *_array_args(case))
         if runs:
             return case
@@ -316,7 +339,7 @@ def public_functions(module: Any) -> list[tuple[str, Callable]]:
         value = getattr(module, name, None)
         if name.startswith("_") or not callable(value):
             continue
-        if inspect.isclass(value) or inspect.ismodule(value):
-            continue
+        if inspect.isclass(value) or inspect.ismodule(value) or typing.get_origin(value):
+            continue  # classes, modules, type aliases (``PrecisionLike``)
         out.append((name, value))
     return out
