@@ -267,3 +267,25 @@ SPECIFIC: dict[str, list[tuple]] = {
     "jax.lax.dtype": [((MAT, MAT2), {}, lambda f, x, y: x + y.astype(f(x)))],
     # optax.losses
 }
+
+# optax.losses: CTC over a batch of 2 sequences of 5 frames, 4 classes (0: blank).
+LOGITS = _values(2, 5, N, lo=-2.0, hi=2.0)
+LOGIT_PADDINGS = np.array([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], np.float32)
+LABELS = np.array([[1, 2, 1], [3, 3, 0]], np.int32)
+LABEL_PADDINGS = np.array([[0, 0, 0], [0, 0, 1]], np.float32)
+CLASSES = np.array([2, 0, 3, 1], np.int32)
+PAIRS = np.array([0, 1, 0, 1], np.int32)
+
+SPECIFIC.update(
+    {
+        "optax.losses.ctc_loss": [((LOGITS, LOGIT_PADDINGS, LABELS, LABEL_PADDINGS), {})],
+        "optax.losses.ctc_loss_with_forward_probs": [
+            ((LOGITS, LOGIT_PADDINGS, LABELS, LABEL_PADDINGS), {})
+        ],
+        "optax.losses.make_fenchel_young_loss": [
+            ((MAT[0], MAT2[0]), {}, lambda f, x, y: f(jax.nn.logsumexp)(x, y))
+        ],
+        "optax.losses.multiclass_sparsemax_loss": [((MAT, CLASSES), {})],
+        "optax.losses.ntxent": [((MAT, PAIRS), {})],
+    }
+)

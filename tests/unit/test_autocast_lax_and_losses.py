@@ -1,4 +1,4 @@
-"""Regression tests for what the ``jax.lax`` conformance sweep found.
+"""Regression tests for what the ``jax.lax`` and ``optax.losses`` conformance sweep found.
 
 Each compares autocast against the plain float32 function and against the same
 code written by hand in 16 bits (JAX's standard promotion), under ``jax.jit``.
@@ -11,6 +11,8 @@ import pytest
 
 import jaxamp
 from tests.helpers import rel_err
+
+optax = pytest.importorskip("optax")
 
 W = jnp.eye(4)
 X = jnp.array(np.random.default_rng(0).uniform(0.2, 0.8, (4, 4)), jnp.float32)
@@ -39,3 +41,26 @@ def test_scatter_apply_applies_its_function(fun, policy):
     dtype = jaxamp.get_policy(policy).compute_dtype
     hand = jax.jit(fun)(W.astype(dtype), X.astype(dtype))
     assert rel_err(got, want) <= 2 * rel_err(hand, want) + float(jnp.finfo(dtype).eps)
+
+
+def _ctc(w, logits, logit_paddings, labels, label_paddings):
+    return optax.losses.ctc_loss(logits @ w, logit_paddings, labels, label_paddings)
+
+
+def test_ctc_loss_of_a_padded_sequence_stays_finite_in_float16():
+    # CTC's forward variables hold log_epsilon = -1e5 (float32 on purpose) and
+    # pick the loss out with a one-hot einsum: cast to float16, -1e5 became -inf
+    # and 0 x -inf = NaN for every sequence with padded labels.
+    logits = jnp.array(np.random.default_rng(1).uniform(-2, 2, (2, 5, 4)), jnp.float32)
+    logit_paddings = jnp.array([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], jnp.float32)
+    labels = jnp.array([[1, 2, 1], [3, 3, 0]], jnp.int32)
+    label_paddings = jnp.array([[0, 0, 0], [0, 0, 1]], jnp.float32)
+    args = (W, logits, logit_paddings, labels, label_paddings)
+    want = jax.jit(_ctc)(*args)
+    got = jax.jit(jaxamp.autocast(_ctc, "mixed_float16"))(*args)
+    assert np.isfinite(np.asarray(got)).all(), got
+    assert rel_err(got, want) < 2e-3
+    grads = jax.jit(jax.grad(lambda w: jaxamp.autocast(_ctc, "mixed_float16")(w, *args[1:]).sum()))(
+        W
+    )
+    assert np.isfinite(np.asarray(grads)).all()
