@@ -144,7 +144,9 @@ SPECIFIC: dict[str, list[tuple]] = {
     "jax.lax.slice_in_dim": [((MAT, 1, 3), {"axis": 1})],
     "jax.lax.split": [((MAT, (1, 3)), {"axis": 1})],
     "jax.lax.squeeze": [((ROW, (0,)), {})],
-    "jax.lax.pad": [((MAT, 0.0, ((1, 0, 0), (0, 1, 1))), {})],
+    "jax.lax.pad": [
+        ((MAT,), {}, lambda f, x: f(x, jnp.zeros((), x.dtype), ((1, 0, 0), (0, 1, 1))))
+    ],
     "jax.lax.index_take": [((MAT, (np.array([2, 0, 1], np.int32),), (0,)), {})],
     "jax.lax.dynamic_slice": [
         ((MAT, np.int32(1), np.int32(0), (2, 3)), {}, lambda f, x, *r: f(x, r[:2], r[2]))

@@ -301,25 +301,43 @@ def check(case: Case, policy: str, grad: bool = True) -> Result:
 def check_many(cases: Sequence[Case], policies: Sequence[str]) -> list[Result]:
     """``check(case, policy, grad=False)`` for many at once: one compiled program.
 
-    Compiling one program per tiny function dominates a sweep; a program that
-    fails to build or run (a hand-cast reference without a 16-bit kernel, a
-    crash under autocast) falls back to one program per function.
+    Compiling one program per tiny function dominates a sweep. A function whose
+    hand-cast reference does not lower (no 16-bit kernel on the backend, as
+    XLA:CPU's float16 linear algebra and FFTs, complex numbers) runs without it in
+    the same program; a program that still fails to build or run (a crash under
+    autocast) falls back to one program per function.
     """
-    jobs = [(c, p, _traced(c), _array_args(c)) for c, p in zip(cases, policies, strict=True)]
+    jobs = [
+        (c, p, _traced(c), _array_args(c), _hand_lowers(c, p))
+        for c, p in zip(cases, policies, strict=True)
+    ]
 
     def run(all_args):
-        return [_outputs(f, p, True)(*a) for (_, p, f, _), a in zip(jobs, all_args, strict=True)]
+        return [_outputs(f, p, h)(*a) for (_, p, f, _, h), a in zip(jobs, all_args, strict=True)]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            outs = jax.jit(run)([a for *_, a in jobs])
+            outs = jax.jit(run)([a for _, _, _, a, _ in jobs])
         except Exception:  # fall back to one function at a time
             return [check(c, p, grad=False) for c, p in zip(cases, policies, strict=True)]
         return [
-            Result(c, p, _compare(*o, jaxamp.get_policy(p).compute_dtype))
-            for (c, p, _, _), o in zip(jobs, outs, strict=True)
+            Result(c, p, _compare(*o, jaxamp.get_policy(p).compute_dtype), h)
+            for (c, p, _, _, h), o in zip(jobs, outs, strict=True)
         ]
+
+
+def _hand_lowers(case: Case, policy: str) -> bool:
+    """Whether the hand-cast reference of ``case`` traces and lowers (no compile)."""
+    fun, args = _traced(case), _array_args(case)
+    dtype = jaxamp.get_policy(policy).compute_dtype
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.jit(lambda *a: _hand_cast(fun, list(a), dtype)).lower(*args)
+    except Exception:  # no 16-bit kernel: float32 is the only reference
+        return False
+    return True
 
 
 def _compare(want: list, got: list, exact: list, hand: list, dtype: Any) -> list[str]:
