@@ -82,6 +82,15 @@ def standard(call=None):
     return wrapped
 
 
+# A rational approximation's coefficients (expi's, 0 < x <= 2): fixed constants
+# float16 cannot hold, as special-function code has them.
+COEFFS = np.float32([-5.35, 218.5, -4176.6, 55411.8, -331338.1, 1592627.2])
+
+
+def _fixed_coefficients(fun, x):
+    return fun(COEFFS, x)
+
+
 def _first_of_two(fun, x, pick, y, **kwargs):
     return fun(pick, [x, y], **kwargs)
 
@@ -148,6 +157,7 @@ SPECIFIC: dict[str, list[tuple]] = {
     "jax.numpy.frompyfunc": [((MAT, MAT2), {}, _ufunc)],
     "jax.numpy.vectorize": [((MAT,), {}, _vectorized)],
     "jax.numpy.ravel_multi_index": [((MAT,), {}, _multi_index)],
+    "jax.numpy.polyval": [((MAT,), {}, _fixed_coefficients)],
     # Static arguments the generic lists lack.
     "jax.numpy.astype": [((MAT, jnp.float32), {})],
     "jax.numpy.moveaxis": [((MAT, 0, 1), {})],
