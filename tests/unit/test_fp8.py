@@ -230,6 +230,8 @@ def test_everything_but_the_matmuls_runs_as_mixed_bfloat16():
         ({"compute_dtype": jnp.float32}, TypeError, ["compute_dtype", "16-bit", "bfloat16"]),
         ({"compute_dtype": jnp.float8_e4m3fn}, TypeError, ["compute_dtype"]),
         ({"power_of_two_scale": 1}, TypeError, ["power_of_two_scale", "True or False"]),
+        ({"gemm": "cudnn"}, ValueError, ["gemm", "'cudnn'", "'native'", "'emulated'"]),
+        ({"gemm": "native"}, ValueError, ["gemm='native'", "scaling='mxfp8'", "'tensorwise'"]),
     ],
 )
 def test_bad_recipe_fields_name_the_argument_and_the_fix(kwargs, error, words):
