@@ -18,8 +18,13 @@ The full size runs only on a GPU; on another backend the script records that it 
 FP8 rows (``payload["fp8_gemm"]``, ``payload["fp8_step"]``): square GEMMs of 1k to 16k and
 the GPT step (float32 model, loss under ``jaxamp.autocast``), each ``jaxamp.Float8Recipe``
 scaling against ``"mixed_bfloat16"`` through the same autocast, timed interleaved in one
-process (medians): TFLOP/s and the ratio to bf16. A row that fails (out of memory: blockwise
-and mxfp8 materialise one float32 partial product per K block) records its error.
+process (medians): TFLOP/s and the ratio to bf16. mxfp8 runs in both its forms
+(``Float8Recipe(gemm=...)``): ``fp8_mxfp8_emulated``, a float8 ``dot_general`` per block of 32
+scaled and summed in float32, and ``fp8_mxfp8_native``, ``jax.nn.scaled_matmul`` (cuDNN's MXFP8
+GEMM on Blackwell; elsewhere XLA expands it into a dequantize and a float32 dot), with
+``mxfp8_native_vs_emulated`` the speedup of the native form. A row that fails (out of memory:
+blockwise and emulated mxfp8 materialise one float32 partial product per K block; a backend
+without a lowering of ``scaled_matmul``) records its error.
 
     python -m benchmarks.gpu_speed            # full size, GPU only
     python -m benchmarks.gpu_speed --smoke    # seconds, any backend
@@ -42,6 +47,7 @@ NAME = "gpu_speed"
 PAD_MULTIPLE = 64
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+MX_GEMMS = ("emulated", "native")  # mxfp8 runs in both forms (Float8Recipe.gemm)
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384)
 # The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.
 OPTIMIZER = {"sizes": {"n_leaves": 8, "width": 8192, "batch": 8}, "reps": 20, "rep_seconds": 0.2}
@@ -129,11 +135,15 @@ def measure(
     }
 
 
-def _fp8_variants() -> dict[str, Any]:
-    return {
-        "bf16": "mixed_bfloat16",
-        **{f"fp8_{s}": jaxamp.Float8Recipe(s) for s in FP8_SCALINGS},
-    }
+def fp8_variants() -> dict[str, Any]:
+    """Row name -> policy: bf16, each scaling, and mxfp8 in both its forms."""
+    variants: dict[str, Any] = {"bf16": "mixed_bfloat16"}
+    for s in FP8_SCALINGS:
+        if s == "mxfp8":
+            variants.update({f"fp8_mxfp8_{g}": jaxamp.Float8Recipe(s, gemm=g) for g in MX_GEMMS})
+        else:
+            variants[f"fp8_{s}"] = jaxamp.Float8Recipe(s)
+    return variants
 
 
 def _interleaved(fns: dict[str, Any], args: tuple, reps: int, inner: int) -> dict[str, Any]:
@@ -165,7 +175,7 @@ def fp8_gemm_rows(sizes: Sequence[int], reps: int, inner: int) -> list[dict[str,
         x, w = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys)
         fns = {
             name: jax.jit(jaxamp.autocast(lambda x, w: x @ w, policy))
-            for name, policy in _fp8_variants().items()
+            for name, policy in fp8_variants().items()
         }
         rows.append(_ratio_row({"n": n}, _interleaved(fns, (x, w), reps, inner), 2.0 * n**3))
     return rows
@@ -189,7 +199,7 @@ def fp8_step_rows(config: _models.GPTConfig, reps: int, inner: int) -> dict[str,
 
         return jax.jit(step)
 
-    fns = {name: step_of(policy) for name, policy in _fp8_variants().items()}
+    fns = {name: step_of(policy) for name, policy in fp8_variants().items()}
     timed = _interleaved(fns, (params, tx.init(params), batch), reps, inner)
     return _ratio_row({"model": "gpt"}, timed, config.train_flops_per_step())
 
@@ -202,11 +212,14 @@ def _ratio_row(row: dict[str, Any], timed: dict[str, Any], flops: float) -> dict
             continue
         ratio = None if not isinstance(base, float) else base / t
         row[name] = {"median_s": t, "tflops_per_s": flops / t / 1e12, "speedup_vs_bf16": ratio}
+    native, emulated = timed.get("fp8_mxfp8_native"), timed.get("fp8_mxfp8_emulated")
+    if isinstance(native, float) and isinstance(emulated, float):
+        row["mxfp8_native_vs_emulated"] = emulated / native
     return row
 
 
 def fp8_table(rows: list[dict[str, Any]]) -> str:
-    names = list(_fp8_variants())
+    names = list(fp8_variants())
     headers = ["case", *(f"{n} TFLOP/s (x bf16)" for n in names)]
     body = []
     for r in rows:
