@@ -330,3 +330,6 @@ def test_policy_for_device_says_where_fp8_pays_and_that_a_cpu_emulates_it():
         policy, reason = jaxamp.policy_for_device(_Gpu(capability), with_reason=True)
         assert policy == jaxamp.get_policy("mixed_bfloat16")
         assert ("FP8 Tensor Cores" in reason) == has_fp8, capability
+    for capability, native_mx in (("10.0", True), ("12.0", True), ("9.0", False)):
+        _, reason = jaxamp.policy_for_device(_Gpu(capability), with_reason=True)
+        assert ("jax.nn.scaled_matmul" in reason) == native_mx, capability
