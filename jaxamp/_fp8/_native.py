@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._engine import _compat as compat
 from jaxamp._fp8._quantize import MX_BLOCK
 from jaxamp._fp8._recipe import Float8Recipe
 
@@ -100,4 +101,4 @@ def native_product(
         inv_b.astype(e8m0),
         preferred_element_type=_F32,
     )
-    return out.astype(out_dtype)
+    return compat.vary_like(out, qa, qb).astype(out_dtype)

@@ -195,3 +195,40 @@ def test_recipe_field_and_its_errors():
         jaxamp.Float8Recipe("mxfp8", gemm="fast")
     with pytest.raises(ValueError, match=r"gemm='native'.*scaling='mxfp8'.*'rowwise'"):
         jaxamp.Float8Recipe("rowwise", gemm="native")
+
+
+@runs_native
+def test_native_form_under_vmap_and_shard_map():
+    f = jax.jit(jaxamp.autocast(lambda x, w: x @ w, NATIVE))
+    xs, w = _rand(10, (3, 4, 64)), _rand(11, (64, 8))
+    batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(xs, w)
+    for i in range(3):
+        assert_f32_of(batched[i], f(xs[i], w))
+    # scaled_matmul's result is invariant in shard_map (jax 0.12): marked varying again.
+    spec = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def sharded(w, x):
+        body = lambda w, x: jax.lax.psum(x @ w, "i")  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec(), spec("i")), out_specs=spec())(w, x)
+
+    got = jax.jit(jaxamp.autocast(sharded, NATIVE))(w, xs[0])
+    assert_bf16_of(got, ref.forward(xs[0], w, "mxfp8"))
+
+
+@runs_native
+@pytest.mark.slow
+def test_native_form_under_scan_and_loss_scaling():
+    ws, x = _rand(12, (2, 64, 64), 0.2), _rand(13, (8, 64))
+
+    def scanned(ws):
+        return jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0] ** 2)
+
+    loss = jaxamp.autocast(scanned, NATIVE)
+    scale = jaxamp.StaticLossScale(2.0**12)
+    value, scaled = jax.jit(jaxamp.scaled_value_and_grad(loss, scale))(ws)
+    plain_value, plain = jax.jit(jax.value_and_grad(loss))(ws)
+    # Power-of-two scales: the loss scale cancels exactly, as in the emulated form.
+    assert bits(value) == bits(plain_value) and bits(scale.unscale(scaled)) == bits(plain)
+    emulated = jax.jit(jax.grad(jaxamp.autocast(scanned, EMULATED)))(ws)
+    assert_f32_of(plain, emulated)
