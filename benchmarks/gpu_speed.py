@@ -22,7 +22,9 @@ process (medians): TFLOP/s and the ratio to bf16. mxfp8 runs in both its forms
 (``Float8Recipe(gemm=...)``): ``fp8_mxfp8_emulated``, a float8 ``dot_general`` per block of 32
 scaled and summed in float32, and ``fp8_mxfp8_native``, ``jax.nn.scaled_matmul`` (cuDNN's MXFP8
 GEMM on Blackwell; elsewhere XLA expands it into a dequantize and a float32 dot), with
-``mxfp8_native_vs_emulated`` the speedup of the native form. A row that fails (out of memory:
+``mxfp8_native_vs_emulated`` the speedup of the native form. On a GPU the native form is
+first compiled and run once in a separate process (``native_mx_probe``), so that a compiler
+abort there cannot end the run; if it fails its rows record why. A row that fails (out of memory:
 blockwise and emulated mxfp8 materialise one float32 partial product per K block; a backend
 without a lowering of ``scaled_matmul``) records its error.
 
@@ -32,6 +34,9 @@ without a lowering of ``scaled_matmul``) records its error.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -167,21 +172,64 @@ def _interleaved(fns: dict[str, Any], args: tuple, reps: int, inner: int) -> dic
     return {**out, **{name: _harness.median(t) for name, t in times.items()}}
 
 
-def fp8_gemm_rows(sizes: Sequence[int], reps: int, inner: int) -> list[dict[str, Any]]:
-    """``x @ w`` of n x n bfloat16 operands under autocast, each recipe against bf16."""
+_NATIVE_PROBE = """
+import jax, jax.numpy as jnp, jaxamp
+mm = jaxamp.autocast(lambda x, w: x @ w, jaxamp.Float8Recipe("mxfp8", gemm="native"))
+x = jnp.ones((256, 256), jnp.bfloat16)
+print(float(jax.jit(jax.grad(lambda x, w: mm(x, w).astype(jnp.float32).sum()))(x, x).sum()))
+"""
+
+
+def native_mx_probe() -> dict[str, str]:
+    """``{}`` if a native mxfp8 product and its gradient compile and run in a fresh process.
+
+    Else ``{"fp8_mxfp8_native": why}``: the rows skip it. A separate process, because
+    a compiler that aborts (a cuDNN without an MXFP8 kernel for the chip) would
+    otherwise end the whole run.
+    """
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _NATIVE_PROBE], capture_output=True, text=True, timeout=900
+        )
+    except subprocess.TimeoutExpired:
+        return {"fp8_mxfp8_native": "skipped: the native probe timed out"}
+    if proc.returncode == 0:
+        return {}
+    lines = proc.stderr.strip().splitlines() or [""]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    why = (errors or lines)[-1][:200]
+    return {"fp8_mxfp8_native": f"skipped: native probe exited {proc.returncode}: {why}"}
+
+
+def _matmul(x, w):
+    return x @ w
+
+
+def _fns(make: Any, skip: dict[str, str]) -> dict[str, Any]:
+    return {name: make(policy) for name, policy in fp8_variants().items() if name not in skip}
+
+
+def fp8_gemm_rows(
+    sizes: Sequence[int], reps: int, inner: int, skip: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """``x @ w`` of n x n bfloat16 operands under autocast, each recipe against bf16.
+
+    ``skip``: row name -> why it does not run (recorded as its error).
+    """
+    skip = skip or {}
     rows = []
     for n in sizes:
         keys = jax.random.split(jax.random.key(n))
         x, w = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys)
-        fns = {
-            name: jax.jit(jaxamp.autocast(lambda x, w: x @ w, policy))
-            for name, policy in fp8_variants().items()
-        }
-        rows.append(_ratio_row({"n": n}, _interleaved(fns, (x, w), reps, inner), 2.0 * n**3))
+        fns = _fns(lambda policy: jax.jit(jaxamp.autocast(_matmul, policy)), skip)
+        timed = {**skip, **_interleaved(fns, (x, w), reps, inner)}
+        rows.append(_ratio_row({"n": n}, timed, 2.0 * n**3))
     return rows
 
 
-def fp8_step_rows(config: _models.GPTConfig, reps: int, inner: int) -> dict[str, Any]:
+def fp8_step_rows(
+    config: _models.GPTConfig, reps: int, inner: int, skip: dict[str, str] | None = None
+) -> dict[str, Any]:
     """One GPT training step (float32 model, loss under autocast), each recipe against bf16."""
     model = _models.GPT(config)
     params = _models.gpt_init(model, config)
@@ -199,8 +247,9 @@ def fp8_step_rows(config: _models.GPTConfig, reps: int, inner: int) -> dict[str,
 
         return jax.jit(step)
 
-    fns = {name: step_of(policy) for name, policy in fp8_variants().items()}
-    timed = _interleaved(fns, (params, tx.init(params), batch), reps, inner)
+    skip = skip or {}
+    args = (params, tx.init(params), batch)
+    timed = {**skip, **_interleaved(_fns(step_of, skip), args, reps, inner)}
     return _ratio_row({"model": "gpt"}, timed, config.train_flops_per_step())
 
 
@@ -313,9 +362,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             results.append(result)
             print(table([result]), flush=True)
     sizes, fp8_reps, inner = ((128,), 1, 1) if args.smoke else (GEMM_SIZES, 10, 5)
+    # On a GPU the native MX GEMM is first tried in a separate process (it may abort).
+    skip = native_mx_probe() if jax.default_backend() == "gpu" else {}
     with jax.numpy_dtype_promotion("standard"):
-        payload["fp8_gemm"] = fp8_gemm_rows(sizes, fp8_reps, inner)
-        payload["fp8_step"] = fp8_step_rows(config, fp8_reps, inner)
+        payload["fp8_gemm"] = fp8_gemm_rows(sizes, fp8_reps, inner, skip)
+        payload["fp8_step"] = fp8_step_rows(config, fp8_reps, inner, skip)
     payload["status"] = "ok"
     payload["results"] = results
     print(table(results))
