@@ -232,3 +232,20 @@ def test_native_form_under_scan_and_loss_scaling():
     assert bits(value) == bits(plain_value) and bits(scale.unscale(scaled)) == bits(plain)
     emulated = jax.jit(jax.grad(jaxamp.autocast(scanned, EMULATED)))(ws)
     assert_f32_of(plain, emulated)
+
+
+def test_native_result_varies_over_the_mesh_axes_inside_shard_map(blackwell):
+    # Traced on every JAX: without the pcast, psum rejects scaled_matmul's invariant result.
+    spec = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def sharded(w, x):
+        body = lambda w, x: jax.lax.psum(x @ w, "i")  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec(), spec("i")), out_specs=spec())(w, x)
+
+    w, x = jnp.ones((64, 8)), jnp.ones((4, 64))
+    loss = jaxamp.autocast(lambda w: jnp.sum(sharded(w, x)), jaxamp.Float8Recipe("mxfp8"))
+    eqns = [e for e, _ in walk(jax.make_jaxpr(jax.grad(loss))(w).jaxpr)]
+    names = [e.primitive.name for e in eqns]
+    assert names.count("scaled_matmul_wrapper") == 3
+    assert "pcast" in names or "pvary" in names
