@@ -56,6 +56,7 @@ MX_GEMMS = ("emulated", "native")  # mxfp8 runs in both forms (Float8Recipe.gemm
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384)
 # The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.
 OPTIMIZER = {"sizes": {"n_leaves": 8, "width": 8192, "batch": 8}, "reps": 20, "rep_seconds": 0.2}
+SMOKE_STEP_VARIANTS = ("bf16", "fp8_tensorwise")
 SMOKE_OPTIMIZER = {"sizes": low_precision.SMOKE_SIZES, "reps": 2, "rep_seconds": 0.001}
 
 # Dense bfloat16 peak FLOP/s by device_kind substring (vendor datasheets, no sparsity).
@@ -205,8 +206,12 @@ def _matmul(x, w):
     return x @ w
 
 
-def _fns(make: Any, skip: dict[str, str]) -> dict[str, Any]:
-    return {name: make(policy) for name, policy in fp8_variants().items() if name not in skip}
+def _fns(make: Any, skip: dict[str, str], only: Sequence[str] | None = None) -> dict[str, Any]:
+    return {
+        name: make(policy)
+        for name, policy in fp8_variants().items()
+        if name not in skip and (only is None or name in only)
+    }
 
 
 def fp8_gemm_rows(
@@ -228,9 +233,16 @@ def fp8_gemm_rows(
 
 
 def fp8_step_rows(
-    config: _models.GPTConfig, reps: int, inner: int, skip: dict[str, str] | None = None
+    config: _models.GPTConfig,
+    reps: int,
+    inner: int,
+    skip: dict[str, str] | None = None,
+    only: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """One GPT training step (float32 model, loss under autocast), each recipe against bf16."""
+    """One GPT training step (float32 model, loss under autocast), each recipe against bf16.
+
+    ``only``: the row names to run (all of ``fp8_variants()`` when ``None``).
+    """
     model = _models.GPT(config)
     params = _models.gpt_init(model, config)
     loss_fn = _models.gpt_loss_fn(model)
@@ -249,7 +261,7 @@ def fp8_step_rows(
 
     skip = skip or {}
     args = (params, tx.init(params), batch)
-    timed = {**skip, **_interleaved(_fns(step_of, skip), args, reps, inner)}
+    timed = {**skip, **_interleaved(_fns(step_of, skip, only), args, reps, inner)}
     return _ratio_row({"model": "gpt"}, timed, config.train_flops_per_step())
 
 
@@ -274,7 +286,7 @@ def fp8_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = [f"n={r['n']}" if "n" in r else r["model"]]
         for n in names:
-            c = r[n]
+            c = r.get(n, {"error": "not run"})
             ratio = c.get("speedup_vs_bf16")
             cells.append(
                 c["error"][:30]
@@ -366,7 +378,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     skip = native_mx_probe() if jax.default_backend() == "gpu" else {}
     with jax.numpy_dtype_promotion("standard"):
         payload["fp8_gemm"] = fp8_gemm_rows(sizes, fp8_reps, inner, skip)
-        payload["fp8_step"] = fp8_step_rows(config, fp8_reps, inner, skip)
+        # Smoke: every recipe in the GEMM row, two in the step (each compiles a GPT step).
+        only = SMOKE_STEP_VARIANTS if args.smoke else None
+        payload["fp8_step"] = fp8_step_rows(config, fp8_reps, inner, skip, only)
     payload["status"] = "ok"
     payload["results"] = results
     print(table(results))

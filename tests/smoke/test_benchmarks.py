@@ -163,7 +163,10 @@ def test_gpu_speed_smoke(tmp_path):
     variants = set(gpu_speed.fp8_variants())
     assert {"bf16", "fp8_tensorwise", "fp8_mxfp8_emulated", "fp8_mxfp8_native"} <= variants
     native_runs = _native.native_lowers(jax.default_backend())
-    for row in [*payload["fp8_gemm"], payload["fp8_step"]]:
+    step = payload["fp8_step"]
+    assert set(gpu_speed.SMOKE_STEP_VARIANTS) <= set(step) and "fp8_rowwise" not in step
+    assert _positive(step["fp8_tensorwise"]["tflops_per_s"])
+    for row in payload["fp8_gemm"]:
         assert variants <= set(row)
         assert row["bf16"]["speedup_vs_bf16"] == 1.0
         assert all(_positive(row[v]["tflops_per_s"]) for v in variants - {"fp8_mxfp8_native"})
