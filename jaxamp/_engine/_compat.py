@@ -278,6 +278,7 @@ class CustomJvpParts(NamedTuple):
     # The jvp jaxpr takes (*non-const primals, *nonzero tangents) and returns
     # (*primal outputs, *nonzero output tangents).
     jvp_jaxpr: Callable[[Sequence[bool]], tuple[jex.ClosedJaxpr, list[bool]]]
+    name: str = "custom_jvp"  # the decorated function's name, kept when rebuilt
 
 
 def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
@@ -289,7 +290,10 @@ def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
         jaxpr, consts, out_zeros = call(*zeros)
         return jex.ClosedJaxpr(jaxpr, list(consts)), list(out_zeros)
 
-    return CustomJvpParts(as_closed(p["call_jaxpr"]), int(p["num_consts"]), jvp_jaxpr)
+    call = as_closed(p["call_jaxpr"])
+    info = getattr(call.jaxpr, "debug_info", None)  # what the jaxpr printer shows as name=
+    name = getattr(info, "func_name", None) or "custom_jvp"
+    return CustomJvpParts(call, int(p["num_consts"]), jvp_jaxpr, name)
 
 
 class ScanParts(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,3 +48,13 @@ def test_applicability_of_discrete_and_static_outputs():
     argmax = _sweep.signature_of("jax.numpy", "argmax", jnp.argmax)
     assert isinstance(argmax, _sweep.Case)
     assert _sweep.signature_of("jax.numpy", "ndim", jnp.ndim) == _sweep.STATIC_OUTPUT
+
+
+def test_float32_policy_proof_needs_the_same_jaxpr_and_constants():
+    x = np.ones(3, np.float32)
+    twice = jax.make_jaxpr(lambda v: v * 2.0)(x)
+    assert _sweep._same_jaxpr(twice, jax.make_jaxpr(lambda v: v * 2.0)(x))
+    assert not _sweep._same_jaxpr(twice, jax.make_jaxpr(lambda v: v * 3.0)(x))
+    a, b = np.float32([1, 2, 3]), np.float32([1, 2, 4])
+    with_a = jax.make_jaxpr(lambda v: v * jnp.asarray(a))(x)
+    assert not _sweep._same_jaxpr(with_a, jax.make_jaxpr(lambda v: v * jnp.asarray(b))(x))
