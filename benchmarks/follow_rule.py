@@ -24,8 +24,8 @@ Measured, all in one process:
 - activation memory: bytes of the residuals ``jax.vjp`` keeps on the GPT of
   ``benchmarks/activation_memory.py``, with and without ``remat_float32=True``;
 - speed: the compiled ``value_and_grad`` of ``examples/charlm.py``'s transformer and
-  of a 2-block GPT, every setup once per round in rotating order, medians, ratios to
-  float32.
+  of a 2-block GPT, each rule set with and without ``remat_float32`` (``<setup>_remat``),
+  every setup once per round in rotating order, medians, ratios to float32.
 
 The narrowing "follow" of before the exceptions cannot be expressed with ``rules``
 (the exceptions live in the rule itself), so it is not a setup here.
@@ -252,6 +252,9 @@ def _steps(loss: Callable, params: Any, batch: Any) -> dict[str, tuple]:
     funs = {"float32": loss}
     for setup, rules in RULES.items():
         funs[setup] = jaxamp.autocast(loss, "mixed_bfloat16", rules=rules)
+        funs[f"{setup}_remat"] = jaxamp.autocast(
+            loss, "mixed_bfloat16", rules=rules, remat_float32=True
+        )
     steps = {}
     for setup, fun in funs.items():
         compiled = jax.jit(jax.value_and_grad(fun)).lower(params, batch).compile()
