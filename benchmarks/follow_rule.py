@@ -131,7 +131,7 @@ def _zoo(width: int, rows: int, steps: int) -> dict[str, tuple[Callable, np.ndar
     w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
     x = rng.standard_normal((rows, width)).astype(np.float32)
     outlier = x.copy()
-    outlier[:, 0] = 300.0 * np.sqrt(width)  # one channel of x @ w near 300
+    outlier[:, 0] = 300.0 * np.sqrt(width)  # x @ w of order 300: its square overflows float16
     seq = rng.standard_normal((steps, rows, width)).astype(np.float32)
     return {
         "rms_norm_outlier": (_rms_norm_outlier, w, outlier),
