@@ -64,3 +64,32 @@ def test_ctc_loss_of_a_padded_sequence_stays_finite_in_float16():
         W
     )
     assert np.isfinite(np.asarray(grads)).all()
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_saturating_a_float32_operand_saves_nothing_extra_for_the_backward(policy):
+    # softmax (a float32 rule) feeds a matmul: its float32 output saturates into
+    # the compute dtype. The saturation passes gradients straight through, so the
+    # backward pass keeps no masks and no extra float32 copy: the residuals are
+    # those of the same function with a plain cast.
+    def attention(w, x):
+        return jnp.sum(jax.nn.softmax(x @ w) @ w)
+
+    def by_hand(w, x):
+        dtype = jaxamp.get_policy(policy).compute_dtype
+        x16, w16 = x.astype(dtype), w.astype(dtype)
+        p = jax.nn.softmax(jnp.matmul(x16, w16, preferred_element_type=jnp.float32))
+        return jnp.sum(jnp.matmul(p.astype(dtype), w16, preferred_element_type=jnp.float32))
+
+    def residuals(fun):
+        leaves = jax.tree.leaves(jax.eval_shape(lambda w, x: jax.vjp(fun, w, x)[1], W, X))
+        return sorted((str(r.dtype), r.size) for r in leaves)
+
+    got = residuals(jaxamp.autocast(attention, policy))
+    assert not [r for r in got if r[0] == "bool"]
+    assert sum(n for d, n in got if d == "float32") <= sum(
+        n for d, n in residuals(by_hand) if d == "float32"
+    )
+    want = jax.grad(attention)(W, X)
+    grad = jax.jit(jax.grad(jaxamp.autocast(attention, policy)))(W, X)
+    assert rel_err(grad, want) < 4 * rel_err(jax.grad(by_hand)(W, X), want) + 1e-2
