@@ -207,13 +207,20 @@ class ScatterParts(NamedTuple):
     indices_are_sorted: bool
     unique_indices: bool
     mode: Any
+    # A ``scatter`` built by ``lax.scatter_apply`` (``x.at[i].apply(f)``): ``f`` as
+    # ``(operand element, unused update element) -> new element``; None otherwise.
+    apply: jex.ClosedJaxpr | None
 
 
 def scatter_parts(eqn: jex.JaxprEqn) -> ScatterParts:
     """The arguments of ``lax.scatter*`` (the combiner jaxpr is rebuilt by them)."""
     p = eqn.params
+    update = p.get("update_jaxpr")
+    apply = None
+    if eqn.primitive.name == "scatter" and update is not None:
+        apply = jex.ClosedJaxpr(update, list(p.get("update_consts", ())))
     return ScatterParts(
-        p["dimension_numbers"], p["indices_are_sorted"], p["unique_indices"], p["mode"]
+        p["dimension_numbers"], p["indices_are_sorted"], p["unique_indices"], p["mode"], apply
     )
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -87,6 +88,21 @@ EXCLUDED = {
     "create_token": "effect token, no value",
     "after_all": "effect token, no value",
     "optimization_barrier": "returns its operands unchanged by definition",
+    # jax.lax shape utilities and backend-specific collectives.
+    "conv_dimension_numbers": "shape utility: shapes in, a shape out",
+    "conv_general_permutations": "shape utility: shapes in, a shape out",
+    "conv_general_shape_tuple": "shape utility: shapes in, a shape out",
+    "conv_shape_tuple": "shape utility: shapes in, a shape out",
+    "conv_transpose_shape_tuple": "shape utility: shapes in, a shape out",
+    "padtype_to_pads": "shape utility: shapes in, a shape out",
+    "reduce_window_shape_tuple": "shape utility: shapes in, a shape out",
+    "shape_as_value": "shape utility: shapes in, a shape out",
+    "pbroadcast": "no XLA:CPU lowering, and its vmap rule fails in JAX itself",
+    "psend": "implemented on GPU only",
+    "precv": "implemented on GPU only",
+    "ragged_all_to_all": "XLA:CPU has no ragged all-to-all",
+    "psum_scatter_start": "async collective start (jax 0.12): no vmap rule, no XLA:CPU kernel",
+    "rng_uniform": "stateful random numbers: every call differs, no reference to compare",
 }
 
 # Why the rest are skipped: none of CANDIDATES fits (creation functions, dtype and
@@ -335,22 +351,27 @@ def check(case: Case, policy: str, grad: bool = True) -> Result:
 def check_many(cases: Sequence[Case], policies: Sequence[str]) -> list[Result]:
     """``check(case, policy, grad=False)`` for many at once: one compiled program.
 
-    Compiling one program per tiny function dominates a sweep; a program that
-    fails to build or run (a hand-cast reference without a 16-bit kernel, a
-    crash under autocast) is split in halves until the failing function runs
-    alone, through ``check``.
+    Compiling one program per tiny function dominates a sweep. A function whose
+    hand-cast reference does not lower (no 16-bit kernel on the backend, as
+    XLA:CPU's float16 linear algebra and FFTs, complex numbers) gets its float32-
+    compute reference in the same program; a program that still fails to build or
+    run (a crash under autocast) is split in halves until the failing function
+    runs alone, through ``check``.
     """
     if len(cases) == 1:
         return [check(cases[0], policies[0], grad=False)]
-    jobs = [(c, p, _traced(c), _array_args(c)) for c, p in zip(cases, policies, strict=True)]
+    jobs = [
+        (c, p, _traced(c), _array_args(c), _hand_lowers(c, p))
+        for c, p in zip(cases, policies, strict=True)
+    ]
 
     def run(all_args):
-        return [_outputs(f, p, True)(*a) for (_, p, f, _), a in zip(jobs, all_args, strict=True)]
+        return [_outputs(f, p, h)(*a) for (_, p, f, _, h), a in zip(jobs, all_args, strict=True)]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            outs = _compiled(run, [a for *_, a in jobs])
+            outs = _compiled(run, [a for _, _, _, a, _ in jobs])
         except Exception:  # split: the rest still share programs
             half = len(cases) // 2
             return [
@@ -358,9 +379,22 @@ def check_many(cases: Sequence[Case], policies: Sequence[str]) -> list[Result]:
                 *check_many(cases[half:], policies[half:]),
             ]
     return [
-        Result(c, p, _compare(*o, jaxamp.get_policy(p).compute_dtype))
-        for (c, p, _, _), o in zip(jobs, outs, strict=True)
+        Result(c, p, _compare(*o, jaxamp.get_policy(p).compute_dtype), h)
+        for (c, p, _, _, h), o in zip(jobs, outs, strict=True)
     ]
+
+
+def _hand_lowers(case: Case, policy: str) -> bool:
+    """Whether the hand-cast reference of ``case`` traces and lowers (no compile)."""
+    fun, args = _traced(case), _array_args(case)
+    dtype = jaxamp.get_policy(policy).compute_dtype
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.jit(lambda *a: _hand_cast(fun, list(a), dtype)).lower(*args)
+    except Exception:  # no 16-bit kernel: inputs rounded, computed in float32
+        return False
+    return True
 
 
 def _compare(want: list, got: list, exact: list, hand: list, dtype: Any) -> list[str]:
@@ -446,7 +480,7 @@ def public_functions(module: Any) -> list[tuple[str, Callable]]:
         value = getattr(module, name, None)
         if name.startswith("_") or not callable(value):
             continue
-        if inspect.isclass(value) or inspect.ismodule(value):
-            continue
+        if inspect.isclass(value) or inspect.ismodule(value) or typing.get_origin(value):
+            continue  # classes, modules, type aliases (``PrecisionLike``)
         out.append((name, value))
     return out
