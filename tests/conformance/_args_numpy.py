@@ -79,6 +79,9 @@ def standard(call=None):
         with jax.numpy_dtype_promotion("standard"):
             return call(fun, x, *rest, **kwargs) if call else fun(x, *rest, **kwargs)
 
+    # The sweep takes gradients under it too: JAX traces a custom_jvp's rule when
+    # differentiating, after this context has closed.
+    wrapped.promotion = "standard"
     return wrapped
 
 
