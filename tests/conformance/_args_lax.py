@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tests.conformance._args_numpy import standard
+
 N = 4
 RNG = np.random.default_rng(19)
 
@@ -277,13 +279,6 @@ CLASSES = np.array([2, 0, 3, 1], np.int32)
 PAIRS = np.array([0, 1, 0, 1], np.int32)
 
 
-def _standard_promotion(f, *args, **kwargs):
-    """Calls ``f`` under JAX's standard promotion (optax's own code mixes int and
-    float; the tests otherwise run under strict promotion)."""
-    with jax.numpy_dtype_promotion("standard"):
-        return f(*args, **kwargs)
-
-
 SPECIFIC.update(
     {
         "optax.losses.ctc_loss": [((LOGITS, LOGIT_PADDINGS, LABELS, LABEL_PADDINGS), {})],
@@ -293,7 +288,7 @@ SPECIFIC.update(
         "optax.losses.make_fenchel_young_loss": [
             ((MAT[0], MAT2[0]), {}, lambda f, x, y: f(jax.nn.logsumexp)(x, y))
         ],
-        "optax.losses.multiclass_sparsemax_loss": [((MAT, CLASSES), {}, _standard_promotion)],
-        "optax.losses.ntxent": [((MAT, PAIRS), {}, _standard_promotion)],
+        "optax.losses.multiclass_sparsemax_loss": [((MAT, CLASSES), {}, standard())],
+        "optax.losses.ntxent": [((MAT, PAIRS), {}, standard())],
     }
 )
