@@ -47,8 +47,9 @@ def _nnx(name):
 
 
 NNX_SKIP = {"Module": ABSTRACT, "RNNCellBase": ABSTRACT}
+BATCH = (8, 4)  # batch statistics of 2 rows normalise to +-1 whatever the input
 NNX = {
-    "BatchNorm": Spec({"use_running_average": False}),
+    "BatchNorm": Spec({"use_running_average": False}, x=BATCH),
     "Bidirectional": Spec(
         x=SEQ,
         make=lambda: _nnx("Bidirectional")(
@@ -99,7 +100,7 @@ def _fp8_dot(layer, h):
 
 LINEN_SKIP = {"Module": ABSTRACT, "RNNCellBase": ABSTRACT}
 LINEN = {
-    "BatchNorm": Spec({"use_running_average": False}),
+    "BatchNorm": Spec({"use_running_average": False}, x=BATCH),
     "Bidirectional": Spec(
         x=SEQ,
         make=lambda: _nn("Bidirectional")(
@@ -159,7 +160,7 @@ VOL = (1, 4, 4, 4, 4)
 HAIKU_SKIP = {"Module": ABSTRACT, "RNNCore": ABSTRACT}
 HAIKU = {
     "AvgPool": Spec(x=LEN),
-    "BatchNorm": Spec(call=_training),
+    "BatchNorm": Spec(x=BATCH, call=_training),
     "Conv1D": Spec(x=LEN),
     "Conv1DLSTM": Spec({"input_shape": (6,)}, x=LEN, call=_core),
     "Conv1DTranspose": Spec(x=LEN),
@@ -251,6 +252,7 @@ EQUINOX = {
        ((1, EQX_LEN), (2, EQX_IMG), (3, EQX_VOL))},
     "AdaptivePool": Spec({"operation": jnp.max}, x=EQX_LEN),
     "BatchNorm": Spec(
+        x=BATCH,
         make=_stateful("BatchNorm", 4, axis_name="batch"),
         call=lambda m, h, s: jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
             h, s

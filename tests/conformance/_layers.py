@@ -163,42 +163,74 @@ def _weighted_sum(fun: Callable) -> Callable:
     return loss
 
 
-def _grads(fun: Callable, args: list, argnums: tuple, policy: str) -> Callable:
-    dtype = jaxamp.get_policy(policy).compute_dtype
+def _argnums(args: list) -> tuple[int, ...]:
+    """The matmul weight and every float32 leaf (not the input ``x``)."""
+    return tuple(i for i, a in enumerate(args) if a.dtype == _sweep.F32 and i != 1)
 
-    def hand(*a):
-        low = [x.astype(dtype) if x.dtype == _sweep.F32 else x for x in a]
-        with jax.numpy_dtype_promotion("standard"):
-            return jax.grad(_weighted_sum(fun), argnums)(*low)
 
-    def run(*a):
+def _grads(fun: Callable, argnums: tuple, policy: str) -> Callable:
+    """float32, autocast and autocast("float32") gradients, in one program."""
+
+    def run(*args):
         return [
-            list(jax.grad(_weighted_sum(fun), argnums)(*a)),
-            list(jax.grad(_weighted_sum(jaxamp.autocast(fun, policy)), argnums)(*a)),
-            list(jax.grad(_weighted_sum(jaxamp.autocast(fun, "float32")), argnums)(*a)),
-            list(hand(*a)),
+            list(jax.grad(_weighted_sum(f), argnums)(*args))
+            for f in (fun, jaxamp.autocast(fun, policy), jaxamp.autocast(fun, "float32"))
         ]
 
     return run
 
 
+def _hand_grads(fun: Callable, argnums: tuple, dtype: Any) -> Callable:
+    """The gradient of the hand-cast reference. Traced and lowered under standard
+    promotion: its backward pass has mixed-dtype products that strict promotion
+    refuses even at lowering."""
+
+    def run(*args):
+        low = [a.astype(dtype) if a.dtype == _sweep.F32 else a for a in args]
+        return list(jax.grad(_weighted_sum(fun), argnums)(*low))
+
+    return run
+
+
+def _run_grads(jobs: list) -> list:
+    """``[want, got, exact, hand]`` per job ``(fun, args, argnums, policy)``: two programs."""
+    ours = jax.jit(lambda all_args: [_grads(f, n, p)(*a) for (f, _, n, p), a in zip(jobs, all_args)])
+    outs = ours([a for _, a, _, _ in jobs])
+    with jax.numpy_dtype_promotion("standard"):
+        dtypes = [jaxamp.get_policy(p).compute_dtype for *_, p in jobs]
+        hand = jax.jit(
+            lambda all_args: [
+                _hand_grads(f, n, d)(*a) for (f, _, n, _), d, a in zip(jobs, dtypes, all_args)
+            ]
+        )([a for _, a, _, _ in jobs])
+    return [[*o, h] for o, h in zip(outs, hand, strict=True)]
+
+
 def check_grads(case: _sweep.Case, policy: str) -> list[str]:
     """The gradient of a weighted sum of the outputs with respect to the matmul
     weight and every float32 leaf, checked like the forward (``_sweep._compare``)."""
-    fun, args = _sweep._traced(case), _sweep._array_args(case)
-    argnums = tuple(i for i, a in enumerate(args) if a.dtype == _sweep.F32 and i != 1)
+    return check_grads_many([case], [policy])[0]
+
+
+def check_grads_many(cases: Sequence[_sweep.Case], policies: Sequence[str]) -> list[list[str]]:
+    """``check_grads`` for many at once (two compiled programs); a program that fails
+    falls back to one layer at a time, so each failure names its layer."""
+    jobs = []
+    for case in cases:
+        fun, args = _sweep._traced(case), _sweep._array_args(case)
+        jobs.append((fun, args, _argnums(args)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            jax.jit(jax.grad(_weighted_sum(fun), argnums))(*args)
-        except Exception:  # not differentiable in float32: nothing to check
-            return []
-        try:
-            want, got, exact, hand = jax.jit(_grads(fun, args, argnums, policy))(*args)
-        except Exception as e:  # reported as a failure
-            return [f"grad raised {type(e).__name__}: {str(e)[:200]}"]
-    dtype = jaxamp.get_policy(policy).compute_dtype
-    return [f"grad: {f}" for f in _sweep._compare(want, got, exact, hand, dtype)]
+            results = _run_grads([(*j, p) for j, p in zip(jobs, policies, strict=True)])
+        except Exception as e:  # one layer at a time, to name the one that fails
+            if len(cases) == 1:
+                return [[f"grad raised {type(e).__name__}: {str(e)[:200]}"]]
+            return [check_grads(c, p) for c, p in zip(cases, policies, strict=True)]
+    return [
+        [f"grad: {f}" for f in _sweep._compare(*r, jaxamp.get_policy(p).compute_dtype)]
+        for r, p in zip(results, policies, strict=True)
+    ]
 
 
 def runs_in_float32(case: _sweep.Case) -> str | None:

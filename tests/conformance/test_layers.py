@@ -71,7 +71,8 @@ def test_every_layer_once(namespace):
     cases = [c for c in cases if c.name not in slow]
     policies = [POLICIES[i % 2] for i in range(len(cases))]
     results = [(r.case, r.policy, r.failures) for r in _sweep.check_many(cases, policies)]
-    results += [(c, p, _layers.check_grads(c, p)) for c, p in zip(cases, policies, strict=True)]
+    grads = _layers.check_grads_many(cases, policies)
+    results += [(c, p, g) for c, p, g in zip(cases, policies, grads, strict=True)]
     failures = _failures(namespace, results)
     assert not failures, "\n".join(failures)
 
