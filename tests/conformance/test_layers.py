@@ -36,19 +36,20 @@ def _resolve(path: str):
 
 
 @functools.cache
-def _enumerate(namespace: str):
+def _enumerate(namespace: str, slow: bool):
     module_name, base, build, table = NAMESPACES[namespace]
     pytest.importorskip(module_name.split(".")[0])
     classes = _layers.layer_classes(importlib.import_module(module_name), _resolve(base))
     specs, skip = getattr(_args_layers, table), getattr(_args_layers, f"{table}_SKIP")
-    return _layers.enumerate_layers(namespace, classes, build, specs, skip)
+    return _layers.enumerate_layers(namespace, classes, build, specs, skip, slow)
 
 
 def _report(namespace: str, cases, reasons, slow) -> None:
-    total = len(cases) + len(reasons)
+    total = len({c.name for c in cases} | set(reasons) | slow)
+    applicable = total - len(reasons)
     print(
-        f"\n{namespace}: enumerated {total}, applicable {len(cases)} "
-        f"({100 * len(cases) / max(total, 1):.0f}%)"
+        f"\n{namespace}: enumerated {total}, applicable {applicable} "
+        f"({100 * applicable / max(total, 1):.0f}%)"
         + (f", slow test only: {' '.join(sorted(slow))}" if slow else "")
     )
     for name, reason in sorted(reasons.items()):
@@ -66,9 +67,8 @@ def _failures(namespace: str, results) -> list[str]:
 
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
 def test_every_layer_once(namespace):
-    cases, reasons, slow = _enumerate(namespace)
+    cases, reasons, slow = _enumerate(namespace, slow=False)
     _report(namespace, cases, reasons, slow)
-    cases = [c for c in cases if c.name not in slow]
     policies = [POLICIES[i % 2] for i in range(len(cases))]
     results = [(r.case, r.policy, r.failures) for r in _sweep.check_many(cases, policies)]
     grads = _layers.check_grads_many(cases, policies)
@@ -80,7 +80,7 @@ def test_every_layer_once(namespace):
 @pytest.mark.slow
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
 def test_full_matrix(namespace):
-    cases, reasons, slow = _enumerate(namespace)
+    cases, reasons, slow = _enumerate(namespace, slow=True)
     _report(namespace, cases, reasons, slow)
     results = []
     for case in cases:
