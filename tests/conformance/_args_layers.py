@@ -176,7 +176,7 @@ HAIKU = {
     "DepthwiseConv1D": Spec(x=LEN),
     "DepthwiseConv2D": Spec(x=IMG),
     "DepthwiseConv3D": Spec(x=VOL),
-    "EMAParamsTree": Spec(call=lambda m, h: m({"a": h})),
+    "EMAParamsTree": Spec(call=lambda m, h: m({"linear": {"w": h}})),
     "Embed": Spec(call=lambda m, h: m(IDS) + h),
     "Flatten": Spec(x=SEQ),
     "GRU": Spec(call=_core),
@@ -191,7 +191,7 @@ HAIKU = {
         make=lambda: _hk("ResetCore")(_hk("LSTM")(4)),
         call=lambda m, h: m((h, jnp.array([True, False])), m.initial_state(2)),
     ),
-    "SNParamsTree": Spec(call=lambda m, h: m({"w": h})),
+    "SNParamsTree": Spec(call=lambda m, h: m({"linear": {"w": h}})),
     "SeparableDepthwiseConv2D": Spec(x=IMG),
     "Sequential": Spec(make=lambda: _hk("Sequential")([_hk("Linear")(4), jax.nn.relu])),
     "VanillaRNN": Spec(call=_core),
@@ -202,7 +202,13 @@ HAIKU_NETS_SKIP = {}
 HAIKU_NETS = {
     "MobileNetV1": Spec({"strides": (1, 2), "channels": (4, 8)}, x=(2, 8, 8, 3), call=_training),
     "ResNet": Spec(
-        {"blocks_per_group": (1, 1, 1, 1), "channels_per_group": (4, 4, 4, 4), "bottleneck": False},
+        # Strides 1: batch statistics of a 1x1 map over 2 images normalise to +-1.
+        {
+            "blocks_per_group": (1, 1, 1, 1),
+            "channels_per_group": (4, 4, 4, 4),
+            "bottleneck": False,
+            "strides": (1, 1, 1, 1),
+        },
         x=(2, 8, 8, 3),
         call=_training,
     ),
@@ -246,10 +252,16 @@ EQUINOX_SKIP = {
     "StateIndex": "a key into eqx.nn.State, not a layer (swept through BatchNorm, SpectralNorm)",
 }
 EQUINOX = {
-    **{f"Adaptive{op}Pool{d}d": Spec(x=x) for op in ("Avg", "Max") for d, x in
-       ((1, EQX_LEN), (2, EQX_IMG), (3, EQX_VOL))},
-    **{f"{op}Pool{d}d": Spec({"kernel_size": 2}, x=x) for op in ("Avg", "Max") for d, x in
-       ((1, EQX_LEN), (2, EQX_IMG), (3, EQX_VOL))},
+    **{
+        f"Adaptive{op}Pool{d}d": Spec(x=x)
+        for op in ("Avg", "Max")
+        for d, x in ((1, EQX_LEN), (2, EQX_IMG), (3, EQX_VOL))
+    },
+    **{
+        f"{op}Pool{d}d": Spec({"kernel_size": 2}, x=x)
+        for op in ("Avg", "Max")
+        for d, x in ((1, EQX_LEN), (2, EQX_IMG), (3, EQX_VOL))
+    },
     "AdaptivePool": Spec({"operation": jnp.max}, x=EQX_LEN),
     "BatchNorm": Spec(
         x=BATCH,
@@ -258,8 +270,11 @@ EQUINOX = {
             h, s
         ),
     ),
-    **{f"{c}{d}": Spec(x=x) for c in ("Conv", "ConvTranspose") for d, x in
-       (("", EQX_LEN), ("1d", EQX_LEN), ("2d", EQX_IMG), ("3d", EQX_VOL))},
+    **{
+        f"{c}{d}": Spec(x=x)
+        for c in ("Conv", "ConvTranspose")
+        for d, x in (("", EQX_LEN), ("1d", EQX_LEN), ("2d", EQX_IMG), ("3d", EQX_VOL))
+    },
     "Dropout": Spec(call=lambda m, h, s: m(h, key=jax.random.key(1))),
     "Embedding": Spec(call=lambda m, h, s: jax.vmap(m)(jnp.asarray(IDS)) + h),
     "GRUCell": Spec(x=(4,), call=lambda m, h, s: m(h, jnp.zeros(4))),
@@ -270,9 +285,7 @@ EQUINOX = {
     "Linear": Spec(x=(4,)),
     "MLP": Spec(x=(4,)),
     "MultiheadAttention": Spec(x=(3, 4), call=lambda m, h, s: m(h, h, h)),
-    "Pool": Spec(
-        {"init": -jnp.inf, "operation": jax.lax.max, "kernel_size": 2}, x=EQX_LEN
-    ),
+    "Pool": Spec({"init": -jnp.inf, "operation": jax.lax.max, "kernel_size": 2}, x=EQX_LEN),
     "RMSNorm": Spec(x=(4,)),
     "RotaryPositionalEmbedding": Spec(x=(3, 4)),
     "Sequential": Spec(

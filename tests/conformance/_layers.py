@@ -8,8 +8,9 @@ from ``COMMON`` (features, kernel sizes, heads...), with a per-class ``Spec``
 shape, how it is called). The layer becomes a ``_sweep.Case``: a function of
 its input, computed as ``x @ w`` so autocast has a 16-bit activation, and of
 its parameter and state leaves, so that the hand-cast reference casts params
-and input alike. Its outputs are the layer's outputs and its updated state
-(batch statistics, moving averages, codebooks), never its unchanged params.
+and input alike. It returns ``(outputs, new state)``: the updated state (batch
+statistics, moving averages, codebooks) is compared like the outputs, never the
+unchanged params.
 ``_sweep.check_many`` and ``_sweep.check`` then run the checks; ``check_grads``
 adds the gradient with respect to the matmul weight and every float32 leaf.
 """
@@ -156,12 +157,14 @@ def as_case(namespace: str, name: str, apply: Callable, tree: Any, x: np.ndarray
 
 
 def _weighted_sum(fun: Callable) -> Callable:
-    """The floating outputs summed with fixed weights: a loss whose gradient is not
-    zero by symmetry (a normalised output's plain sum is constant)."""
+    """The layer's floating outputs summed with fixed weights: a loss whose gradient
+    is not zero by symmetry (a normalised output's plain sum is constant). The new
+    state is left out: no training loss differentiates through running statistics."""
 
     def loss(*args):
         total = jnp.float32(0)
-        for i, out in enumerate(_sweep._floating(fun(*args))):
+        outputs, _ = fun(*args)
+        for i, out in enumerate(_sweep._floating(outputs)):
             out = jnp.real(out).astype(jnp.float32)
             weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32) + i).reshape(out.shape)
             total = total + jnp.sum(out * weights)
@@ -324,7 +327,8 @@ def build_linen(cls: type, spec: Spec, x: np.ndarray) -> tuple[Callable, Any]:
 
     def apply(variables, h):
         dropout = {"dropout": keys["dropout"]}
-        return layer.apply(variables, h, method=call, rngs=dropout, mutable=mutable)
+        out = layer.apply(variables, h, method=call, rngs=dropout, mutable=mutable)
+        return out if mutable else (out, {})
 
     return apply, variables
 
@@ -351,6 +355,7 @@ def build_equinox(cls: type, spec: Spec, x: np.ndarray) -> tuple[Callable, Any]:
     call = spec.call or (lambda layer, h, state: layer(h))
 
     def apply(tree, h):
-        return call(*tree[:1], h, tree[1])
+        out = call(*tree[:1], h, tree[1])
+        return out if tree[1] is not None else (out, None)
 
     return apply, (layer, state)

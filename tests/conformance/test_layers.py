@@ -1,8 +1,10 @@
 """Layer sweep: every public layer class of flax.nnx, flax.linen, haiku and equinox.
 
-The CI test runs every applicable layer once (forward and gradient, one 16-bit
-policy alternating by position, plus the float32 policy's bit-identity); the
-``slow`` test runs both 16-bit policies. Each prints its coverage: enumerated,
+The CI test runs every applicable layer once (forward, one 16-bit policy
+alternating by position, plus the float32 policy's bit-identity), all layers of
+a namespace in one compiled program; the ``slow`` test runs both 16-bit
+policies, forward and the gradient with respect to the matmul weight and every
+parameter and state leaf, and the large ResNets. Each prints its coverage: enumerated,
 applicable, skipped by reason. See README.md here.
 """
 
@@ -65,15 +67,20 @@ def _failures(namespace: str, results) -> list[str]:
     return out
 
 
+def _check(cases, policies, grad: bool) -> list:
+    results = [(r.case, r.policy, r.failures) for r in _sweep.check_many(cases, policies)]
+    if grad:
+        grads = _layers.check_grads_many(cases, policies)
+        results += [(c, p, g) for c, p, g in zip(cases, policies, grads, strict=True)]
+    return results
+
+
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
 def test_every_layer_once(namespace):
     cases, reasons, slow = _enumerate(namespace, slow=False)
     _report(namespace, cases, reasons, slow)
     policies = [POLICIES[i % 2] for i in range(len(cases))]
-    results = [(r.case, r.policy, r.failures) for r in _sweep.check_many(cases, policies)]
-    grads = _layers.check_grads_many(cases, policies)
-    results += [(c, p, g) for c, p, g in zip(cases, policies, grads, strict=True)]
-    failures = _failures(namespace, results)
+    failures = _failures(namespace, _check(cases, policies, grad=False))
     assert not failures, "\n".join(failures)
 
 
@@ -82,10 +89,7 @@ def test_every_layer_once(namespace):
 def test_full_matrix(namespace):
     cases, reasons, slow = _enumerate(namespace, slow=True)
     _report(namespace, cases, reasons, slow)
-    results = []
-    for case in cases:
-        for policy in POLICIES:
-            forward = _sweep.check(case, policy, grad=False).failures
-            results.append((case, policy, forward + _layers.check_grads(case, policy)))
-    failures = _failures(namespace, results)
+    failures = []
+    for policy in POLICIES:
+        failures += _failures(namespace, _check(cases, [policy] * len(cases), grad=True))
     assert not failures, "\n".join(failures)
