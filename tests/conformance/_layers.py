@@ -204,9 +204,11 @@ def _hand_grads(fun: Callable, argnums: tuple, dtype: Any) -> Callable:
 
 def _batched(make: Callable, jobs: list) -> list:
     """``make(job)(*args)`` for every job, in one compiled program."""
-    return jax.jit(lambda all_args: [make(j)(*a) for j, a in zip(jobs, all_args)])(
-        [j[1] for j in jobs]
-    )
+
+    def run(all_args):
+        return [make(j)(*a) for j, a in zip(jobs, all_args, strict=True)]
+
+    return jax.jit(run)([j[1] for j in jobs])
 
 
 def _hand_or_none(jobs: list) -> list:
