@@ -185,6 +185,11 @@ _FP8_NOTE = (
     "in FP8 (docs/fp8.md)."
 )
 
+_MX_NOTE = (
+    " Its block-scaled Tensor Cores run Float8Recipe('mxfp8') products as one "
+    "jax.nn.scaled_matmul (cuDNN's MXFP8 GEMM), picked by gemm='auto'."
+)
+
 
 def policy_for_device(
     device: jax.Device | None = None, *, with_reason: bool = False
@@ -229,6 +234,8 @@ def policy_for_device(
             )
             if major >= 8.9:
                 reason += _FP8_NOTE
+            if major >= 10.0:
+                reason += _MX_NOTE
         elif major >= 7.0:
             name = "mixed_float16"
             reason = (

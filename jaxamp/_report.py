@@ -35,8 +35,10 @@ class MatmulInfo:
     """One matmul-like equation of the traced function.
 
     Attributes:
-      primitive: ``"dot_general"``, ``"conv_general_dilated"`` or
-        ``"ragged_dot_general"`` (``jax.lax.ragged_dot``, mixture of experts).
+      primitive: ``"dot_general"``, ``"conv_general_dilated"``,
+        ``"ragged_dot_general"`` (``jax.lax.ragged_dot``, mixture of experts)
+        or ``"scaled_matmul_wrapper"`` (``jax.nn.scaled_matmul``, the native
+        form of autocast's ``"mxfp8"`` products).
       lhs_shape, rhs_shape, out_shape: operand and result shapes.
       operand_dtypes: dtypes of the two operands (names).
       accumulation_dtype: ``preferred_element_type`` if set, else the result dtype.
@@ -176,7 +178,12 @@ def _si(n: int) -> str:
     return str(n)
 
 
-_OP_NAMES = {"dot_general": "dot", "conv_general_dilated": "conv", "ragged_dot_general": "ragged"}
+_OP_NAMES = {
+    "dot_general": "dot",
+    "conv_general_dilated": "conv",
+    "ragged_dot_general": "ragged",
+    "scaled_matmul_wrapper": "mx",
+}
 _SHORT = {
     "float32": "f32",
     "bfloat16": "bf16",
@@ -213,6 +220,18 @@ def _ragged_dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in skip)
     k = math.prod(lhs.shape[d] for d in lc)
     return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+
+
+def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+    # jax.nn.scaled_matmul: [B, M, K] x [B, N, K] with per-block scales (operands 2, 3).
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    batch, m, k = lhs.shape
+    n = rhs.shape[1]
+    info = _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+    # Its block scales make it an MX product wherever it was written.
+    if info.fp8_recipe or not info.is_fp8:
+        return info
+    return dataclasses.replace(info, fp8_recipe="mxfp8")
 
 
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
@@ -259,6 +278,7 @@ _MATMUL_INFO = {
     "dot_general": _dot_info,
     "conv_general_dilated": _conv_info,
     "ragged_dot_general": _ragged_dot_info,
+    "scaled_matmul_wrapper": _scaled_matmul_info,
 }
 
 

@@ -55,6 +55,8 @@ __all__ = [
     "shard_map_parts",
     "source_frames",
     "sub_closed_jaxprs",
+    "vary_like",
+    "varying_axes",
     "while_parts",
 ]
 
@@ -362,3 +364,24 @@ def float0_zeros(shape: Sequence[int]) -> np.ndarray:
 
 def is_float0(x: Any) -> bool:
     return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    aval = jax.typeof(x)
+    # jax 0.10 to 0.12: aval.mat.varying; the older spelling was aval.vma.
+    axes = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(axes if axes is not None else getattr(aval, "vma", ()))
+
+
+def vary_like(out: Any, *inputs: Any) -> Any:
+    """``out`` marked varying over every mesh axis one of ``inputs`` varies over.
+
+    A primitive whose abstract evaluation drops the varying axes (jax 0.12's
+    ``scaled_matmul``) would otherwise give an invariant value inside
+    ``shard_map``, which a later ``psum`` rejects.
+    """
+    missing = frozenset().union(*map(varying_axes, inputs)) - varying_axes(out)
+    if not missing:
+        return out
+    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying")

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
+from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
 from jaxamp._fp8._recipe import Float8Recipe
 
@@ -55,10 +56,12 @@ def scope_name(recipe: Float8Recipe, scaling: str | None = None) -> str:
 
 def _product(recipe: Float8Recipe, a, a_dtype, a_kind, b, b_dtype, b_kind, out_dtype):
     pow2 = recipe.exact_scales
+    # Decided when traced: jax.nn.scaled_matmul where the native MX GEMM runs (_native.py).
+    product = native_product if uses_native(recipe) else scaled_product
     with jax.named_scope(scope_name(recipe)):
         qa = quantize(a, a_dtype, groups_for(recipe.scaling, a_kind), pow2)
         qb = quantize(b, b_dtype, groups_for(recipe.scaling, b_kind), pow2)
-        return scaled_product(qa, qb, out_dtype)
+        return product(qa, qb, out_dtype)
 
 
 def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str]) -> Callable:

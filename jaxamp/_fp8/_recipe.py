@@ -10,9 +10,12 @@ import numpy as np
 
 from jaxamp._policy import Policy
 
-__all__ = ["FP8_PRESET", "SCALINGS", "Float8Recipe", "as_recipe"]
+__all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe", "as_recipe"]
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+# How an mxfp8 product runs: "native" is jax.nn.scaled_matmul (cuDNN's MXFP8 GEMM
+# on Blackwell), "emulated" the float8 dot_general per block, "auto" picks (_native.py).
+GEMMS = ("auto", "native", "emulated")
 
 # The float8 formats with a saturating cast and an IEEE-like layout that FP8
 # Tensor Cores (Hopper, Ada, Blackwell) and XLA take as matmul operands.
@@ -56,6 +59,18 @@ def _compute_dtype(value: Any) -> np.dtype:
     return dtype
 
 
+def _check_gemm(gemm: Any, scaling: str) -> None:
+    if not isinstance(gemm, str) or gemm not in GEMMS:
+        raise ValueError(
+            f"Float8Recipe(gemm=...) must be one of {', '.join(map(repr, GEMMS))}; got {gemm!r}."
+        )
+    if gemm == "native" and scaling != "mxfp8":
+        raise ValueError(
+            f"Float8Recipe(gemm='native') needs scaling='mxfp8' (the one scaling with a "
+            f"native block-scaled GEMM in JAX); got scaling={scaling!r}. Leave gemm='auto'."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8Recipe:
     """FP8 matmuls with current (dynamic) scaling, for :func:`jaxamp.autocast`.
@@ -86,9 +101,19 @@ class Float8Recipe:
         for ``"mxfp8"``): scaling is then exact.
       compute_dtype: the dtype of matmul results and of everything else,
         bfloat16 or float16.
+      gemm: how ``"mxfp8"`` products run (the same quantized operands and
+        scales either way). ``"native"``: ``jax.nn.scaled_matmul``, JAX's
+        block-scaled GEMM (cuDNN's MXFP8 kernel on NVIDIA Blackwell).
+        ``"emulated"``: a float8 ``dot_general`` per block of 32, scaled and
+        summed in float32, which any backend runs. ``"auto"`` (default):
+        native on NVIDIA GPUs of compute capability 10.0 or newer, emulated
+        elsewhere. The other scalings have no native form and run as
+        ``"emulated"``.
 
     Raises:
-      ValueError: an unknown ``scaling``.
+      ValueError: an unknown ``scaling`` or ``gemm``; ``gemm="native"`` with
+        a scaling other than ``"mxfp8"``, or, when a product is traced, on a
+        backend for which this JAX has no lowering of ``jax.nn.scaled_matmul``.
       TypeError: a non-float8 ``forward_dtype``/``gradient_dtype``, a
         ``compute_dtype`` that is not 16-bit, a non-bool ``power_of_two_scale``.
 
@@ -108,6 +133,7 @@ class Float8Recipe:
     gradient_dtype: Any = jnp.float8_e5m2
     power_of_two_scale: bool = False
     compute_dtype: Any = jnp.bfloat16
+    gemm: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
@@ -115,6 +141,7 @@ class Float8Recipe:
                 f"Float8Recipe(scaling=...) must be one of {', '.join(map(repr, SCALINGS))}; "
                 f"got {self.scaling!r}."
             )
+        _check_gemm(self.gemm, self.scaling)
         if not isinstance(self.power_of_two_scale, (bool, np.bool_)):
             raise TypeError(
                 "Float8Recipe(power_of_two_scale=...) must be True or False; "
@@ -135,12 +162,13 @@ class Float8Recipe:
             f"Float8Recipe(scaling={self.scaling!r}, forward_dtype={self.forward_dtype.name}, "
             f"gradient_dtype={self.gradient_dtype.name}, "
             f"power_of_two_scale={self.power_of_two_scale}, "
-            f"compute_dtype={self.compute_dtype.name})"
+            f"compute_dtype={self.compute_dtype.name}, gemm={self.gemm!r})"
         )
 
     def __str__(self) -> str:
         pow2 = ",pow2" if self.power_of_two_scale and self.scaling != "mxfp8" else ""
-        return f"fp8:{self.scaling}{pow2}"
+        gemm = f",{self.gemm}" if self.gemm != "auto" else ""
+        return f"fp8:{self.scaling}{pow2}{gemm}"
 
     @property
     def policy(self) -> Policy:

@@ -371,6 +371,18 @@ CASES = [
         TypeError,
         ["power_of_two_scale", "True or False", "int"],
     ),
+    (
+        'Float8Recipe("mxfp8", gemm="cudnn")',
+        lambda: jaxamp.Float8Recipe("mxfp8", gemm="cudnn"),
+        ValueError,
+        ["gemm", "'auto'", "'native'", "'emulated'", "'cudnn'"],
+    ),
+    (
+        'Float8Recipe("rowwise", gemm="native")',
+        lambda: jaxamp.Float8Recipe("rowwise", gemm="native"),
+        ValueError,
+        ["gemm='native'", "scaling='mxfp8'", "'rowwise'", "gemm='auto'"],
+    ),
 ]
 
 

@@ -23,6 +23,7 @@ from benchmarks import (
     numerics_cost,
     step_overhead,
 )
+from jaxamp._fp8 import _native
 
 PEERS = set(_variants.VARIANTS)
 
@@ -157,12 +158,23 @@ def test_gpu_speed_smoke(tmp_path):
         dims = r["dims"]
         aligned = all(d % gpu_speed.PAD_MULTIPLE == 0 for d in dims.values())
         assert aligned == r["padded"]
-    # FP8 rows: one GEMM size and the GPT step, every recipe next to bf16 autocast.
-    variants = {"bf16", *(f"fp8_{s}" for s in gpu_speed.FP8_SCALINGS)}
-    for row in [*payload["fp8_gemm"], payload["fp8_step"]]:
+    # FP8 rows: one GEMM size and the GPT step, every recipe next to bf16 autocast,
+    # mxfp8 in both forms; the native one where this JAX lowers scaled_matmul here.
+    variants = set(gpu_speed.fp8_variants())
+    assert {"bf16", "fp8_tensorwise", "fp8_mxfp8_emulated", "fp8_mxfp8_native"} <= variants
+    native_runs = _native.native_lowers(jax.default_backend())
+    step = payload["fp8_step"]
+    assert set(gpu_speed.SMOKE_STEP_VARIANTS) <= set(step) and "fp8_rowwise" not in step
+    assert _positive(step["fp8_tensorwise"]["tflops_per_s"])
+    for row in payload["fp8_gemm"]:
         assert variants <= set(row)
         assert row["bf16"]["speedup_vs_bf16"] == 1.0
-        assert all(_positive(row[v]["tflops_per_s"]) for v in variants)
+        assert all(_positive(row[v]["tflops_per_s"]) for v in variants - {"fp8_mxfp8_native"})
+        native = row["fp8_mxfp8_native"]
+        if native_runs:
+            assert _positive(native["tflops_per_s"]) and _positive(row["mxfp8_native_vs_emulated"])
+        else:
+            assert "gemm='native'" in native["error"] and "mxfp8_native_vs_emulated" not in row
     # The optimizer step of every low_precision variant, timed against float32 Adam.
     optimizer = {r["variant"]: r for r in payload["optimizer"]["results"]}
     assert set(optimizer) == set(low_precision.VARIANTS)

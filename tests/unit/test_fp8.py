@@ -230,6 +230,8 @@ def test_everything_but_the_matmuls_runs_as_mixed_bfloat16():
         ({"compute_dtype": jnp.float32}, TypeError, ["compute_dtype", "16-bit", "bfloat16"]),
         ({"compute_dtype": jnp.float8_e4m3fn}, TypeError, ["compute_dtype"]),
         ({"power_of_two_scale": 1}, TypeError, ["power_of_two_scale", "True or False"]),
+        ({"gemm": "cudnn"}, ValueError, ["gemm", "'cudnn'", "'native'", "'emulated'"]),
+        ({"gemm": "native"}, ValueError, ["gemm='native'", "scaling='mxfp8'", "'tensorwise'"]),
     ],
 )
 def test_bad_recipe_fields_name_the_argument_and_the_fix(kwargs, error, words):
@@ -328,3 +330,6 @@ def test_policy_for_device_says_where_fp8_pays_and_that_a_cpu_emulates_it():
         policy, reason = jaxamp.policy_for_device(_Gpu(capability), with_reason=True)
         assert policy == jaxamp.get_policy("mixed_bfloat16")
         assert ("FP8 Tensor Cores" in reason) == has_fp8, capability
+    for capability, native_mx in (("10.0", True), ("12.0", True), ("9.0", False)):
+        _, reason = jaxamp.policy_for_device(_Gpu(capability), with_reason=True)
+        assert ("jax.nn.scaled_matmul" in reason) == native_mx, capability
