@@ -71,6 +71,7 @@ NNX = {
     "MultiHeadAttention": Spec({"decode": False}, x=SEQ),
     "OptimizedLSTMCell": Spec(call=_nnx_cell),
     "RNN": Spec(x=SEQ, make=lambda: _nnx("RNN")(_nnx("LSTMCell")(4, 4, rngs=_nnx_rngs()))),
+    "RoPE": Spec({"max_seq_len": 8}, x=(2, 3, 2, 4)),  # flax >= 0.12.9: batch, time, heads, dim
     "Sequential": Spec(make=lambda: _nnx("Sequential")(_nnx_linear(), jax.nn.relu)),
     "SimpleCell": Spec(call=_nnx_cell),
     "SpectralNorm": Spec(

@@ -18,6 +18,7 @@ adds the gradient with respect to the matmul weight and every float32 leaf.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -324,7 +325,8 @@ def build_linen(cls: type, spec: Spec, x: np.ndarray) -> tuple[Callable, Any]:
     layer = spec.make() if spec.make else cls(**fill(cls, spec.kwargs))
     call = spec.call or _default_call
     keys = {"params": jax.random.key(KEY), "dropout": jax.random.key(KEY + 1)}
-    variables = layer.init(keys, jnp.asarray(x), method=call)
+    # Under jit: one compiled program, not one per initialiser op (most of the time).
+    variables = jax.jit(functools.partial(layer.init, method=call))(keys, jnp.asarray(x))
     mutable = [c for c in variables if c != "params"]
 
     def apply(variables, h):
@@ -342,7 +344,7 @@ def build_haiku(cls: type, spec: Spec, x: np.ndarray) -> tuple[Callable, Any]:
     call = spec.call or _default_call
     layer = hk.transform_with_state(lambda h: call(make(), h))
     with jax.numpy_dtype_promotion("standard"):
-        params, state = layer.init(jax.random.key(KEY), jnp.asarray(x))
+        params, state = jax.jit(layer.init)(jax.random.key(KEY), jnp.asarray(x))
 
     def apply(tree, h):
         return layer.apply(*tree, jax.random.key(KEY + 1), h)
