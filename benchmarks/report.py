@@ -13,6 +13,7 @@ from benchmarks import (
     activation_memory,
     autocast_cpu_speed,
     compile_scaling,
+    follow_rule,
     gpu_speed,
     low_precision,
     numerics_cost,
@@ -27,6 +28,7 @@ TABLES = {
     "activation_memory": activation_memory.table,
     "gpu_speed": gpu_speed.table,
     "autocast_cpu_speed": autocast_cpu_speed.table,
+    "follow_rule": follow_rule.table,
     "low_precision": low_precision.table,
     "numerics_cost": numerics_cost.table,
 }

@@ -237,7 +237,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain)
     else:
-        lhs, rhs = cast(lhs, ac.compute_dtype), cast(rhs, ac.compute_dtype)
+        lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
+        rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)
         matmul = functools.partial(run_matmul, transposable=ac.transposable)
     unpad = None
     if ac.pad_to is not None:
@@ -247,6 +248,20 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if unpad is not None:
         out = unpad(out)
     return [(out, ACTIVATION)]
+
+
+def _contraction_operand(value: Any, role: int, dtype: np.dtype) -> Any:
+    """A contraction operand in the compute dtype.
+
+    A PINNED operand is float32 on purpose (log-probabilities, a loop
+    accumulator) and may hold finite values beyond float16's range that a mask
+    or one-hot then multiplies by zero (CTC's ``log_epsilon = -1e5``): it
+    saturates, so 0 x value stays 0 instead of 0 x inf = NaN. Inputs and
+    parameters (PLAIN) are cast as they are: the usual path pays nothing.
+    """
+    if role == PINNED:
+        return saturating_cast(value, dtype)
+    return cast(value, dtype)
 
 
 # Rule kind of AUTOCAST_RULES -> rule, for the first-order kinds ("recurse" names a

@@ -70,6 +70,7 @@ def _handle_custom_jvp(ac, eqn, ins):
     values, roles = _split(args)
     box: list = []
     primal = ac.function_of(parts.call_jaxpr, consts, roles, box)
+    primal.__name__ = primal.__qualname__ = parts.name  # profiles and jaxprs keep it
     out_types = ac.probe(parts.call_jaxpr, consts, [(aval(v), r) for v, r in args])
 
     def jvp(primals, tangents):

@@ -6,7 +6,12 @@ to JAX's own transpose rules, the backward products would mix a float32
 cotangent with a 16-bit operand (the transpose of that cast is an upcast) and
 run in float32. A ``custom_vjp`` keeps the backward pass in the compute dtype
 too: the cotangent stays 16-bit, and each backward product again accumulates in
-float32 and is cast back. Also: zero-padding of dims to a Tensor Core multiple.
+float32 and is cast back. Its fwd and bwd are plain products, so JAX can run
+them under an outer forward transform (second derivatives: ``jax.hessian``); a
+``custom_vjp`` has no forward mode of its own (``jax.jacfwd`` of the function
+itself), and a ``custom_jvp`` would give JAX the backward products to transpose
+into 16-bit-result products, which XLA:CPU runs in float32. Also: zero-padding
+of dims to a Tensor Core multiple.
 """
 
 from __future__ import annotations
@@ -99,7 +104,10 @@ def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callabl
         return _accumulating(prim, params, dtype, x, w, *extra)
 
     def fwd(x, w, *extra):
-        return matmul(x, w, *extra), (x, w, extra)
+        # The product itself, not ``matmul``: under forward-over-reverse (jax.hessian,
+        # jax.jvp of jax.grad) fwd and bwd run on JVP tracers of the outer transform,
+        # which JAX differentiates through primitives but not through a custom_vjp.
+        return _accumulating(prim, params, dtype, x, w, *extra), (x, w, extra)
 
     def bwd(residuals, ct):
         x, w, extra = residuals

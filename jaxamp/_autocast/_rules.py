@@ -86,6 +86,10 @@ _FLOAT32 = (
     "bessel_i0e",
     "bessel_i1e",
     "regularized_incomplete_beta",
+    # jax 0.12's polyval (jax 0.10's is a scan whose accumulator stays float32):
+    # Horner's accumulation, and coefficients of rational approximations up to
+    # 1.6e6 (expi's) that float16 cannot hold.
+    "polynomial",
     # Linear algebra and FFT have no 16-bit kernels on most backends.
     "cholesky",
     "eig",

@@ -53,8 +53,24 @@ def saturating_cast(x: Any, dtype: np.dtype) -> Any:
     if isinstance(x, (np.ndarray, np.generic)):
         x = np.asarray(x)
         return np.where(np.isfinite(x), np.clip(x, -top, top), x).astype(dtype)
+    return _saturate(x, np.dtype(dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _saturate(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    top = jnp.finfo(dtype).max
     clipped = jax.lax.clamp(np.asarray(-top, x.dtype), x, np.asarray(top, x.dtype))
     return jax.lax.select(jax.lax.is_finite(x), cast(clipped, dtype), cast(x, dtype))
+
+
+@_saturate.defjvp
+def _saturate_jvp(dtype: np.dtype, primals: tuple, tangents: tuple) -> tuple:
+    # The cast's derivative (straight through): the clamp is a guard against
+    # overflow, not a function to differentiate, and a tangent that needs no
+    # masks leaves nothing for the backward pass to save (a clamp's derivative
+    # would keep a float32 copy and two masks per operand).
+    (x,), (t,) = primals, tangents
+    return _saturate(x, dtype), cast(t, dtype)
 
 
 def promote(dtypes: Sequence[Any]) -> np.dtype:

@@ -207,13 +207,20 @@ class ScatterParts(NamedTuple):
     indices_are_sorted: bool
     unique_indices: bool
     mode: Any
+    # A ``scatter`` built by ``lax.scatter_apply`` (``x.at[i].apply(f)``): ``f`` as
+    # ``(operand element, unused update element) -> new element``; None otherwise.
+    apply: jex.ClosedJaxpr | None
 
 
 def scatter_parts(eqn: jex.JaxprEqn) -> ScatterParts:
     """The arguments of ``lax.scatter*`` (the combiner jaxpr is rebuilt by them)."""
     p = eqn.params
+    update = p.get("update_jaxpr")
+    apply = None
+    if eqn.primitive.name == "scatter" and update is not None:
+        apply = jex.ClosedJaxpr(update, list(p.get("update_consts", ())))
     return ScatterParts(
-        p["dimension_numbers"], p["indices_are_sorted"], p["unique_indices"], p["mode"]
+        p["dimension_numbers"], p["indices_are_sorted"], p["unique_indices"], p["mode"], apply
     )
 
 
@@ -271,6 +278,7 @@ class CustomJvpParts(NamedTuple):
     # The jvp jaxpr takes (*non-const primals, *nonzero tangents) and returns
     # (*primal outputs, *nonzero output tangents).
     jvp_jaxpr: Callable[[Sequence[bool]], tuple[jex.ClosedJaxpr, list[bool]]]
+    name: str = "custom_jvp"  # the decorated function's name, kept when rebuilt
 
 
 def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
@@ -282,7 +290,10 @@ def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
         jaxpr, consts, out_zeros = call(*zeros)
         return jex.ClosedJaxpr(jaxpr, list(consts)), list(out_zeros)
 
-    return CustomJvpParts(as_closed(p["call_jaxpr"]), int(p["num_consts"]), jvp_jaxpr)
+    call = as_closed(p["call_jaxpr"])
+    info = getattr(call.jaxpr, "debug_info", None)  # what the jaxpr printer shows as name=
+    name = getattr(info, "func_name", None) or "custom_jvp"
+    return CustomJvpParts(call, int(p["num_consts"]), jvp_jaxpr, name)
 
 
 class ScanParts(NamedTuple):

@@ -18,6 +18,7 @@ from benchmarks import (
     activation_memory,
     autocast_cpu_speed,
     compile_scaling,
+    follow_rule,
     gpu_speed,
     low_precision,
     numerics_cost,
@@ -143,6 +144,32 @@ def test_autocast_cpu_speed_smoke(tmp_path):
         f32_elementwise = results["autocast_f32_elementwise"]
         assert f32_elementwise["bf16_dots"] == autocast["bf16_dots"]
         assert f32_elementwise["converts"] < autocast["converts"]
+
+
+@pytest.mark.slow  # eight value_and_grad compiles under autocast: about 30 s of CPU
+def test_follow_rule_smoke(tmp_path):
+    out = tmp_path / "follow_rule.json"
+    follow_rule.main(["--smoke", "--out", str(out)])
+    results = _load(out)["results"]
+    setups = set(follow_rule.RULES)
+    accuracy = [r for r in results if r["part"] == "accuracy"]
+    assert {r["setup"] for r in accuracy} == setups | {"hand_cast"}
+    by = {(r["function"], r["setup"]): r for r in accuracy}
+    # float16 squares an activation of 300 to inf: the hand-cast reference and JAX's
+    # promotion (a power of a 16-bit value stays 16-bit) lose the norm, autocast does not.
+    assert by[("rms_norm_outlier", "promotion")]["output_error"] >= 0.5
+    assert by[("rms_norm_outlier", "autocast")]["output_error"] < 0.01
+    memory = {(r["setup"], r["remat_float32"]): r for r in results if r["part"] == "memory"}
+    assert set(memory) == {(s, remat) for s in setups for remat in (False, True)}
+    for r in memory.values():
+        assert 0 < r["residual_ratio"] < 1
+    speed = [r for r in results if r["part"] == "speed"]
+    timed = setups | {f"{s}_remat" for s in setups} | {"float32"}
+    assert {(r["model"], r["setup"]) for r in speed} == {
+        (m, s) for m in ("charlm", "gpt") for s in timed
+    }
+    for r in speed:
+        assert _positive(r["ratio_to_float32"]) and len(r["per_round_ms"]) == 2
 
 
 def test_gpu_speed_smoke(tmp_path):

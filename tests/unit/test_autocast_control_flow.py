@@ -190,3 +190,14 @@ def test_while_loop_with_a_batched_predicate_runs_as_traced():
 
     got = jax.jit(jaxamp.autocast(f, "mixed_float16"))(W, X)
     assert_close(got, f(W, X), 2e-2)
+
+
+def test_rebuilt_custom_jvp_keeps_its_name():
+    # Profiles and jaxprs show the decorated function's name, as without autocast
+    # (and the float32 policy traces to the very jaxpr of the plain function).
+    f = lambda w, x: jax.scipy.special.logit(jax.nn.sigmoid(x @ w))  # noqa: E731
+    w, x = jnp.eye(3), jnp.full((2, 3), 0.25)
+    plain = jax.make_jaxpr(f)(w, x)
+    exact = jax.make_jaxpr(jaxamp.autocast(f, "float32"))(w, x)
+    assert "name=logit" in str(jax.make_jaxpr(jaxamp.autocast(f, "mixed_bfloat16"))(w, x))
+    assert str(exact) == str(plain)

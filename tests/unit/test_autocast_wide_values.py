@@ -127,3 +127,24 @@ def test_rnn_state_and_biases_still_follow_the_activation():
     jaxpr = jax.make_jaxpr(jaxamp.autocast(dense))(w, w[0], xs).jaxpr
     adds = [e for e in jaxpr.eqns if e.primitive.name in ("add", "div")]
     assert {e.outvars[0].aval.dtype for e in adds} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_polynomials_with_large_coefficients_evaluate_in_float32():
+    # jax 0.12 evaluates jnp.polyval as one `polynomial` primitive (jax 0.10: a scan
+    # whose accumulator stays float32); expi's rational approximation has
+    # coefficients up to 1.6e6, which float16 cannot hold (0.97 relative error).
+    coeffs = np.array([-5.35, 218.5, -4176.6, 55411.8, -331338.1, 1592627.2], np.float32)
+
+    def poly(w, x):
+        return jnp.polyval(coeffs, x @ w)
+
+    def expi(w, x):
+        return jax.scipy.special.expi(x @ w)
+
+    w = jnp.eye(4)
+    x = jnp.asarray(np.random.default_rng(5).uniform(0.2, 1.8, (4, 4)), F32)
+    for fun in (poly, expi):
+        want = fun(w, x)
+        got = jax.jit(jaxamp.autocast(fun, "mixed_float16"))(w, x)
+        assert np.isfinite(np.asarray(got)).all(), fun.__name__
+        assert rel_err(got, want) < 1e-2, fun.__name__
