@@ -296,6 +296,14 @@ class Result:
     reference: bool = True  # False: the hand-cast reference does not run on this backend
 
 
+def _as_dtypes(outputs: list, like: list) -> list:
+    """``outputs`` in the dtypes of ``like``: the ``"float32"`` policy gives a 16-bit
+    output in float32, and under ``jit`` XLA may then skip that output's 16-bit
+    rounding (``xla_allow_excess_precision``, as for plain JAX's
+    ``f(x).astype(jnp.float32)``); rounded back, it must be the plain output."""
+    return [o.astype(w.dtype) for o, w in zip(outputs, like, strict=True)]
+
+
 def _outputs(fun: Callable, policy: str, with_hand: bool) -> Callable:
     """float32, autocast, autocast("float32") and hand-cast outputs (all leaves), in one
     program; no autocast("float32") outputs where its jaxpr is the plain one."""
@@ -305,10 +313,11 @@ def _outputs(fun: Callable, policy: str, with_hand: bool) -> Callable:
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
         plain = jax.make_jaxpr(fun)(*specs)
         exact = jax.make_jaxpr(jaxamp.autocast(fun, "float32"))(*specs)
+        want = jex.jaxpr_as_fun(plain)(*args)
         return [
-            jex.jaxpr_as_fun(plain)(*args),
+            want,
             jax.tree.leaves(jaxamp.autocast(fun, policy)(*args)),
-            [] if _same_jaxpr(plain, exact) else jex.jaxpr_as_fun(exact)(*args),
+            [] if _same_jaxpr(plain, exact) else _as_dtypes(jex.jaxpr_as_fun(exact)(*args), want),
             _hand_cast(fun, args, dtype, kernel=with_hand),
         ]
 

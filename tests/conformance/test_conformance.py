@@ -32,11 +32,7 @@ POLICIES = ("mixed_bfloat16", "mixed_float16")
 CHUNK = 24  # functions per compiled program in the CI test
 
 # Known failures left open, "namespace.name": "open: <what fails>". Empty means none.
-OPEN: dict[str, str] = {
-    "jax.lax.scaled_dot": "open: not autocast's: it returns bfloat16, the float32 policy casts "
-    "that output to float32, and under jit XLA's excess precision (xla_allow_excess_precision) "
-    "then skips the product's bfloat16 rounding (bit-identical with the flag off, or eagerly)",
-}
+OPEN: dict[str, str] = {}
 
 
 @functools.cache
