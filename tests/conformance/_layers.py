@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from tests.conformance import _sweep
+from tests.conformance import _oracles, _sweep
 
 KEY = 0  # every random initialisation and dropout mask derives from this seed
 
@@ -232,7 +232,7 @@ def _hand_or_none(jobs: list) -> list:
 
 def check_grads(case: _sweep.Case, policy: str) -> list[str]:
     """The gradient of a weighted sum of the outputs with respect to the matmul
-    weight and every float32 leaf, checked like the forward (``_sweep._compare``)."""
+    weight and every float32 leaf, checked like the forward (``_oracles.compare``)."""
     return check_grads_many([case], [policy])[0]
 
 
@@ -253,7 +253,7 @@ def check_grads_many(cases: Sequence[_sweep.Case], policies: Sequence[str]) -> l
             return [check_grads(c, p) for c, p in zip(cases, policies, strict=True)]
         hand = _hand_or_none(jobs)
     return [
-        [f"grad: {f}" for f in _sweep._compare(*o, h, jaxamp.get_policy(p).compute_dtype)]
+        [f"grad: {f}" for f in _oracles.compare(*o, h, jaxamp.get_policy(p).compute_dtype)]
         for o, h, p in zip(ours, hand, policies, strict=True)
     ]
 

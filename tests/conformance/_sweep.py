@@ -30,8 +30,9 @@ with a floating, integer or bool output computed from its inputs; one whose
 output is fixed at trace time (``ndim``, ``shape``, ``result_type``) has no
 traced value to check and is skipped with that reason.
 
-Everything runs op by op (no ``jax.jit``): a sweep of hundreds of tiny functions
-is dominated by compile time otherwise.
+The comparisons are in ``_oracles.py``, the functions not called in
+``_excluded.py``. Compile time dominates a sweep of hundreds of tiny functions:
+``check_many`` compiles many of them into one program.
 """
 
 from __future__ import annotations
@@ -50,66 +51,13 @@ import numpy as np
 
 import jaxamp
 from tests.conformance import _args
+from tests.conformance._oracles import compare, is_floating
 
-FACTOR = 4.0
-# Integer/bool outputs: elements autocast may get wrong beyond the hand-cast
-# reference's count. Zero: no function of the sweep needs ties broken differently.
-DISCRETE_SLACK = 0
 N = 4
 F32 = np.dtype(np.float32)
 
-# name -> one-line reason: functions the sweep does not call, and why.
-EXCLUDED = {
-    # Input/output, printing and configuration: no numerics to check.
-    "save": "writes a file",
-    "savez": "writes a file",
-    "load": "reads a file",
-    "fromfile": "reads a file",
-    "frombuffer": "takes bytes",
-    "fromstring": "takes a string",
-    "fromiter": "takes a Python iterable",
-    "fromfunction": "takes a Python callable and a shape",
-    "array_repr": "returns a string",
-    "array_str": "returns a string",
-    "einsum_path": "returns a contraction plan (Python lists and a string)",
-    "trim_zeros": "output shape depends on the values: not traceable",
-    "promote_types": "dtype utility: dtypes in, a dtype out",
-    "result_type": "dtype utility: arrays or dtypes in, a dtype out",
-    "broadcast_shapes": "shape utility: shapes in, a shape out",
-    "get_scaled_dot_general_config": "returns a configuration object",
-    "printoptions": "printing configuration",
-    "set_printoptions": "printing configuration",
-    "get_printoptions": "printing configuration",
-    "show_config": "prints configuration",
-    "from_dlpack": "takes a DLPack capsule",
-    # Host-side effects and devices.
-    "infeed": "host infeed",
-    "outfeed": "host outfeed",
-    "create_token": "effect token, no value",
-    "after_all": "effect token, no value",
-    "optimization_barrier": "returns its operands unchanged by definition",
-    # jax.lax shape utilities and backend-specific collectives.
-    "conv_dimension_numbers": "shape utility: shapes in, a shape out",
-    "conv_general_permutations": "shape utility: shapes in, a shape out",
-    "conv_general_shape_tuple": "shape utility: shapes in, a shape out",
-    "conv_shape_tuple": "shape utility: shapes in, a shape out",
-    "conv_transpose_shape_tuple": "shape utility: shapes in, a shape out",
-    "padtype_to_pads": "shape utility: shapes in, a shape out",
-    "reduce_window_shape_tuple": "shape utility: shapes in, a shape out",
-    "shape_as_value": "shape utility: shapes in, a shape out",
-    "pbroadcast": "no XLA:CPU lowering, and its vmap rule fails in JAX itself",
-    "psend": "implemented on GPU only",
-    "precv": "implemented on GPU only",
-    "ragged_all_to_all": "XLA:CPU has no ragged all-to-all",
-    "psum_scatter_start": "async collective start (jax 0.12): no vmap rule, no XLA:CPU kernel",
-    "rng_uniform": "stateful random numbers: every call differs, no reference to compare",
-}
-
-# Why the rest are skipped: none of CANDIDATES fits (creation functions, dtype and
-# index utilities, functions needing specific static arguments or integer inputs).
 STATIC_OUTPUT = "output fixed at trace time (a shape, dtype or flag): no traced value to check"
 NO_OUTPUT = "no array output"
-NOT_BIT_IDENTICAL = "float32 policy not bit-identical"
 NO_SIGNATURE = "no generic argument list fits (no floating array input, or needs static arguments)"
 
 
@@ -160,14 +108,9 @@ CANDIDATES: list[tuple[tuple, dict]] = [
 ]
 
 
-def _is_floating(x: Any) -> bool:
-    """Floating or complex (complex: FFTs, eigenvalues)."""
-    return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
-
-
 def _floating(tree: Any) -> list:
     """The floating and complex leaves."""
-    return [x for x in jax.tree.leaves(tree) if _is_floating(x)]
+    return [x for x in jax.tree.leaves(tree) if is_floating(x)]
 
 
 def _as_model(case: Case) -> Callable:
@@ -235,20 +178,6 @@ def _array_args(case: Case) -> list:
     x = np.asarray(case.args[0])
     w = np.eye(x.shape[-1], dtype=np.float32)
     return [w, x, *(a for a in case.args[1:] if isinstance(a, np.ndarray))]
-
-
-def _rel_error(got: list, want: list) -> float:
-    num = den = 0.0
-    for g, w in zip(got, want, strict=True):
-        g, w = np.asarray(g, np.complex128), np.asarray(w, np.complex128)
-        ok = np.isfinite(w) & np.isfinite(g)
-        num += float(np.sum(np.abs(g[ok] - w[ok]) ** 2))
-        den += float(np.sum(np.abs(w[ok]) ** 2))
-    return (num**0.5) / max(den**0.5, 1e-30)
-
-
-def _wide(x: Any) -> np.ndarray:
-    return np.asarray(x, np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
 def _hand_cast(fun: Callable, args: list, dtype: Any, kernel: bool = True) -> list:
@@ -351,7 +280,7 @@ def check(case: Case, policy: str, grad: bool = True) -> Result:
             except Exception as e:  # reported as a failure
                 message = f"forward raised {type(e).__name__}: {str(e)[:200]}"
                 return Result(case, policy, [message])
-        failures = _compare(want, got, exact, hand, dtype)
+        failures = compare(want, got, exact, hand, dtype)
         if grad:
             failures += _check_grad(fun, args, policy, getattr(case.call, "promotion", None))
     return Result(case, policy, failures, with_hand)
@@ -388,7 +317,7 @@ def check_many(cases: Sequence[Case], policies: Sequence[str]) -> list[Result]:
                 *check_many(cases[half:], policies[half:]),
             ]
     return [
-        Result(c, p, _compare(*o, jaxamp.get_policy(p).compute_dtype), h)
+        Result(c, p, compare(*o, jaxamp.get_policy(p).compute_dtype), h)
         for (c, p, _, _, h), o in zip(jobs, outs, strict=True)
     ]
 
@@ -404,45 +333,6 @@ def _hand_lowers(case: Case, policy: str) -> bool:
     except Exception:  # no 16-bit kernel: inputs rounded, computed in float32
         return False
     return True
-
-
-def _compare(want: list, got: list, exact: list, hand: list, dtype: Any) -> list[str]:
-    failures = []
-    if exact and any(  # empty: proven by the jaxpr (``_same_jaxpr``)
-        not np.array_equal(np.asarray(e), np.asarray(w), equal_nan=True)
-        for e, w in zip(exact, want, strict=True)
-    ):
-        failures.append(NOT_BIT_IDENTICAL)
-    refs = hand if hand else want
-    floating = [_is_floating(w) for w in want]
-    failures += _compare_discrete(*(_pick(xs, floating, False) for xs in (want, got, refs)))
-    want, got, refs = (_pick(xs, floating, True) for xs in (want, got, refs))
-    hand = refs if hand else []
-    for g, w, h in zip(got, want, refs, strict=True):
-        should = np.isfinite(np.asarray(w)) & np.isfinite(_wide(h))
-        if np.any(should & ~np.isfinite(_wide(g))):
-            failures.append("non-finite where float32 and the hand-cast reference are finite")
-            break
-    err = _rel_error(got, want)
-    ref = _rel_error(hand, want) if hand else 0.0
-    if err > FACTOR * ref + 8 * float(jnp.finfo(dtype).eps):
-        failures.append(f"error {err:.3g} > {FACTOR} x hand-cast {ref:.3g}")
-    return failures
-
-
-def _pick(leaves: list, floating: list[bool], keep: bool) -> list:
-    return [x for x, f in zip(leaves, floating, strict=True) if f == keep]
-
-
-def _compare_discrete(want: list, got: list, hand: list) -> list[str]:
-    """Integer and bool outputs: float32's dtypes, and no more mismatches than hand-cast."""
-    if any(np.asarray(g).dtype != np.asarray(w).dtype for g, w in zip(got, want, strict=True)):
-        return ["integer/bool output dtype differs from float32's"]
-    wrong = sum(int(np.sum(np.asarray(g) != np.asarray(w))) for g, w in zip(got, want, strict=True))
-    ref = sum(int(np.sum(np.asarray(h) != np.asarray(w))) for h, w in zip(hand, want, strict=True))
-    if wrong > ref + DISCRETE_SLACK:
-        return [f"{wrong} integer/bool elements differ from float32's > hand-cast {ref}"]
-    return []
 
 
 def _hand_cast_grad(fun: Callable, args: list, dtype: Any) -> np.ndarray | None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.conformance import _sweep
+from tests.conformance import _excluded, _sweep
 
 optax = pytest.importorskip("optax")
 
@@ -40,9 +40,9 @@ def _enumerate(namespace: str):
     cases, skipped = [], collections.Counter()
     reasons = {}
     for name, fun in _sweep.public_functions(NAMESPACES[namespace]):
-        if name in _sweep.EXCLUDED:
-            skipped[_sweep.EXCLUDED[name]] += 1
-            reasons[name] = _sweep.EXCLUDED[name]
+        if name in _excluded.EXCLUDED:
+            skipped[_excluded.EXCLUDED[name]] += 1
+            reasons[name] = _excluded.EXCLUDED[name]
             continue
         case = _sweep.signature_of(namespace, name, fun)
         if isinstance(case, str):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.conformance import _sweep
+from tests.conformance import _oracles, _sweep
 
 F32 = jnp.float32
 
@@ -18,20 +18,20 @@ def _ints(*values):
 def test_integer_outputs_may_differ_only_where_hand_cast_differs():
     want = [_ints(0, 1, 2, 3)]
     tied = [_ints(1, 0, 2, 3)]  # the hand-cast reference swaps a 16-bit tie
-    assert _sweep._compare(want, tied, want, tied, F32) == []
-    assert _sweep._compare(want, tied, want, want, F32) == [
+    assert _oracles.compare(want, tied, want, tied, F32) == []
+    assert _oracles.compare(want, tied, want, want, F32) == [
         "2 integer/bool elements differ from float32's > hand-cast 0"
     ]
     worse = [_ints(3, 0, 2, 1)]
-    assert _sweep._compare(want, worse, want, tied, F32) != []
+    assert _oracles.compare(want, worse, want, tied, F32) != []
 
 
 def test_integer_outputs_keep_float32_dtype_and_bit_identity():
     want = [_ints(0, 1)]
-    assert _sweep._compare(want, [want[0].astype(np.int16)], want, want, F32) == [
+    assert _oracles.compare(want, [want[0].astype(np.int16)], want, want, F32) == [
         "integer/bool output dtype differs from float32's"
     ]
-    assert _sweep._compare(want, want, [_ints(1, 1)], want, F32) == [
+    assert _oracles.compare(want, want, [_ints(1, 1)], want, F32) == [
         "float32 policy not bit-identical"
     ]
 
@@ -39,9 +39,9 @@ def test_integer_outputs_keep_float32_dtype_and_bit_identity():
 def test_mixed_outputs_split_by_kind():
     mantissa, exponent = np.float32([0.5, 0.75]), _ints(1, 2)
     want = [mantissa, exponent]
-    assert _sweep._compare(want, [mantissa, _ints(1, 3)], want, want, F32) != []
+    assert _oracles.compare(want, [mantissa, _ints(1, 3)], want, want, F32) != []
     far = [np.float32([0.9, 0.75]), exponent]
-    assert any("error" in f for f in _sweep._compare(want, far, want, want, F32))
+    assert any("error" in f for f in _oracles.compare(want, far, want, want, F32))
 
 
 def test_applicability_of_discrete_and_static_outputs():
