@@ -2,7 +2,7 @@
 
 The CI test runs every applicable function once (forward, one 16-bit policy,
 alternating by position, plus the float32 policy's bit-identity); the ``slow``
-test runs the full matrix (both 16-bit policies, forward and grad). Each prints
+test runs the full matrix (both 16-bit policies, forward and grad). Each records
 its coverage: enumerated, applicable, skipped by reason. See README.md here.
 """
 
@@ -53,20 +53,21 @@ def _enumerate(namespace: str):
     return cases, skipped, reasons
 
 
-def _report(namespace: str, cases, skipped, reasons) -> None:
+def _report(namespace: str, cases, skipped, reasons) -> str:
     total = len(cases) + sum(skipped.values())
-    print(
-        f"\n{namespace}: enumerated {total}, applicable {len(cases)} "
+    lines = [
+        f"{namespace}: enumerated {total}, applicable {len(cases)} "
         f"({100 * len(cases) / max(total, 1):.0f}%)"
-    )
+    ]
     for reason, count in skipped.most_common():
         names = sorted(n for n, r in reasons.items() if r == reason)
-        print(f"  skipped {count}: {reason}: {' '.join(names)}")
+        lines.append(f"  skipped {count}: {reason}: {' '.join(names)}")
+    return "\n".join(lines)
 
 
-def _run(namespace: str, policies, grad: bool) -> list[str]:
+def _run(namespace: str, policies, grad: bool, record_property) -> list[str]:
     cases, skipped, reasons = _enumerate(namespace)
-    _report(namespace, cases, skipped, reasons)
+    record_property("coverage", _report(namespace, cases, skipped, reasons))
     if grad:
         results = [_sweep.check(c, p, grad=True) for c in cases for p in policies]
     else:  # every function once, the policy alternating, in chunks of one program each
@@ -84,13 +85,13 @@ def _run(namespace: str, policies, grad: bool) -> list[str]:
 
 
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
-def test_every_function_once(namespace):
-    failures = _run(namespace, POLICIES, grad=False)
+def test_every_function_once(namespace, record_property):
+    failures = _run(namespace, POLICIES, grad=False, record_property=record_property)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
-def test_full_matrix(namespace):
-    failures = _run(namespace, POLICIES, grad=True)
+def test_full_matrix(namespace, record_property):
+    failures = _run(namespace, POLICIES, grad=True, record_property=record_property)
     assert not failures, "\n".join(failures)

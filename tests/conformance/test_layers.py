@@ -4,7 +4,7 @@ The CI test runs every applicable layer once (forward, one 16-bit policy
 alternating by position, plus the float32 policy's bit-identity), all layers of
 a namespace in one compiled program; the ``slow`` test runs both 16-bit
 policies, forward and the gradient with respect to the matmul weight and every
-parameter and state leaf, and the large ResNets. Each prints its coverage: enumerated,
+parameter and state leaf, and the large ResNets. Each records its coverage: enumerated,
 applicable, skipped by reason. See README.md here.
 """
 
@@ -46,16 +46,16 @@ def _enumerate(namespace: str, slow: bool):
     return _layers.enumerate_layers(namespace, classes, build, specs, skip, slow)
 
 
-def _report(namespace: str, cases, reasons, slow) -> None:
+def _report(namespace: str, cases, reasons, slow) -> str:
     total = len({c.name for c in cases} | set(reasons) | slow)
     applicable = total - len(reasons)
-    print(
-        f"\n{namespace}: enumerated {total}, applicable {applicable} "
+    lines = [
+        f"{namespace}: enumerated {total}, applicable {applicable} "
         f"({100 * applicable / max(total, 1):.0f}%)"
         + (f", slow test only: {' '.join(sorted(slow))}" if slow else "")
-    )
-    for name, reason in sorted(reasons.items()):
-        print(f"  skipped {name}: {reason}")
+    ]
+    lines += [f"  skipped {name}: {reason}" for name, reason in sorted(reasons.items())]
+    return "\n".join(lines)
 
 
 def _failures(namespace: str, results) -> list[str]:
@@ -76,9 +76,9 @@ def _check(cases, policies, grad: bool) -> list:
 
 
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
-def test_every_layer_once(namespace):
+def test_every_layer_once(namespace, record_property):
     cases, reasons, slow = _enumerate(namespace, slow=False)
-    _report(namespace, cases, reasons, slow)
+    record_property("coverage", _report(namespace, cases, reasons, slow))
     policies = [POLICIES[i % 2] for i in range(len(cases))]
     failures = _failures(namespace, _check(cases, policies, grad=False))
     assert not failures, "\n".join(failures)
@@ -86,9 +86,9 @@ def test_every_layer_once(namespace):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES))
-def test_full_matrix(namespace):
+def test_full_matrix(namespace, record_property):
     cases, reasons, slow = _enumerate(namespace, slow=True)
-    _report(namespace, cases, reasons, slow)
+    record_property("coverage", _report(namespace, cases, reasons, slow))
     failures = []
     for policy in POLICIES:
         failures += _failures(namespace, _check(cases, [policy] * len(cases), grad=True))

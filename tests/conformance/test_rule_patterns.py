@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from tests.conformance._sweep import FACTOR, _rel_error
+from tests.conformance._oracles import FACTOR, rel_error
 
 W = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)) / 3, jnp.float32)
 X = jnp.asarray(np.random.default_rng(1).standard_normal((16, 8)), jnp.float32)
@@ -93,7 +93,7 @@ def _hand(fun, dtype):
 def _check(got, want, hand):
     got, want, hand = (np.asarray(a, np.float64) for a in (got, want, hand))
     assert np.isfinite(got[np.isfinite(want) & np.isfinite(hand)]).all()
-    assert _rel_error([got], [want]) <= FACTOR * _rel_error([hand], [want]) + 1e-2
+    assert rel_error([got], [want]) <= FACTOR * rel_error([hand], [want]) + 1e-2
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
@@ -161,4 +161,4 @@ def test_vmap_of_grad():
     per_example = jax.vmap(jax.grad(jaxamp.autocast(loss)), in_axes=(None, 0))
     want = jax.vmap(jax.grad(loss), in_axes=(None, 0))(W, X[:, None])
     got = jax.jit(per_example)(W, X[:, None])
-    assert _rel_error([got], [want]) < 3e-2
+    assert rel_error([got], [want]) < 3e-2
