@@ -15,7 +15,7 @@ __all__ = ["Policy", "get_policy", "policy_for_device"]
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Dtypes for the three roles a value plays in mixed-precision training.
+    """Dtypes for the roles a value plays in mixed-precision training.
 
     ``param_dtype`` is the dtype of the stored (master) parameters,
     ``compute_dtype`` the dtype the forward and backward pass run in and
@@ -23,34 +23,68 @@ class Policy:
     from it). Policies are frozen, hashable and equal by value, so they can be
     static arguments of ``jax.jit``.
 
+    Two more dtypes say what crosses the wire when parameters are sharded over
+    devices (FSDP, ZeRO): ``gather_dtype``, the dtype parameters are
+    all-gathered in (default: ``compute_dtype``, so each shard is cast before
+    the gather), and ``reduce_dtype``, the dtype weight gradients are
+    reduce-scattered or all-reduced in (default: float32, or float64 for
+    float64 params), as PyTorch FSDP2's ``MixedPrecisionPolicy`` and
+    Megatron's ``grad_reduce_in_fp32`` do. On one device they change nothing.
+
     >>> import jaxamp
     >>> policy = jaxamp.get_policy("mixed_bfloat16")
     >>> policy
     Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32)
     >>> str(policy)
     'params=float32,compute=bfloat16,output=float32'
+    >>> policy.gather_dtype, policy.reduce_dtype
+    (dtype(bfloat16), dtype('float32'))
+    >>> str(policy.with_reduce_dtype("bfloat16"))
+    'params=float32,compute=bfloat16,output=float32,reduce=bfloat16'
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    gather_dtype: np.dtype | None = None  # None: the compute dtype
+    reduce_dtype: np.dtype | None = None  # None: float32 (float64 for float64 params)
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             value = canonical_float_dtype(getattr(self, field), field)
             object.__setattr__(self, field, value)
+        defaults = {
+            "gather_dtype": self.compute_dtype,
+            "reduce_dtype": _default_reduce_dtype(self.param_dtype),
+        }
+        for field, default in defaults.items():
+            value = getattr(self, field)
+            value = default if value is None else canonical_float_dtype(value, field)
+            object.__setattr__(self, field, value)
+
+    def _wire_fields(self) -> list[tuple[str, np.dtype]]:
+        # Only the wire dtypes that differ from their defaults are spelled out, so
+        # that the usual policies print as they always have.
+        wire = []
+        if self.gather_dtype != self.compute_dtype:
+            wire.append(("gather", self.gather_dtype))
+        if self.reduce_dtype != _default_reduce_dtype(self.param_dtype):
+            wire.append(("reduce", self.reduce_dtype))
+        return wire
 
     def __repr__(self) -> str:
+        extra = "".join(f", {key}_dtype={dtype.name}" for key, dtype in self._wire_fields())
         return (
             f"Policy(param_dtype={self.param_dtype.name}, "
             f"compute_dtype={self.compute_dtype.name}, "
-            f"output_dtype={self.output_dtype.name})"
+            f"output_dtype={self.output_dtype.name}{extra})"
         )
 
     def __str__(self) -> str:
+        extra = "".join(f",{key}={dtype.name}" for key, dtype in self._wire_fields())
         return (
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-            f"output={self.output_dtype.name}"
+            f"output={self.output_dtype.name}{extra}"
         )
 
     def cast_to_param(self, tree: Any) -> Any:
@@ -66,16 +100,40 @@ class Policy:
         return cast_floating(tree, self.output_dtype)
 
     def with_param_dtype(self, dtype: Any) -> Policy:
-        """Returns a copy with another ``param_dtype``."""
-        return dataclasses.replace(self, param_dtype=dtype)
+        """Returns a copy with another ``param_dtype``.
+
+        A ``reduce_dtype`` left at its default follows (float64 params reduce in
+        float64).
+        """
+        reduce = self.reduce_dtype
+        if reduce == _default_reduce_dtype(self.param_dtype):
+            reduce = None
+        return dataclasses.replace(self, param_dtype=dtype, reduce_dtype=reduce)
 
     def with_compute_dtype(self, dtype: Any) -> Policy:
-        """Returns a copy with another ``compute_dtype``."""
-        return dataclasses.replace(self, compute_dtype=dtype)
+        """Returns a copy with another ``compute_dtype``.
+
+        A ``gather_dtype`` equal to the old compute dtype (the default) follows
+        the new one.
+        """
+        gather = None if self.gather_dtype == self.compute_dtype else self.gather_dtype
+        return dataclasses.replace(self, compute_dtype=dtype, gather_dtype=gather)
 
     def with_output_dtype(self, dtype: Any) -> Policy:
         """Returns a copy with another ``output_dtype``."""
         return dataclasses.replace(self, output_dtype=dtype)
+
+    def with_gather_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy whose parameters are all-gathered in ``dtype``."""
+        if dtype is None:
+            canonical_float_dtype(dtype, "gather_dtype")  # raises the usual TypeError
+        return dataclasses.replace(self, gather_dtype=dtype)
+
+    def with_reduce_dtype(self, dtype: Any) -> Policy:
+        """Returns a copy whose weight gradients are reduced across devices in ``dtype``."""
+        if dtype is None:
+            canonical_float_dtype(dtype, "reduce_dtype")
+        return dataclasses.replace(self, reduce_dtype=dtype)
 
     def module_kwargs(self) -> dict[str, np.dtype]:
         """The ``dtype``/``param_dtype`` keyword arguments of Flax layers.
@@ -87,6 +145,12 @@ class Policy:
         return {"dtype": self.compute_dtype, "param_dtype": self.param_dtype}
 
 
+def _default_reduce_dtype(param_dtype: np.dtype) -> np.dtype:
+    # float32 unless the params are wider: a gradient is never reduced in fewer
+    # bits than a float32 master weight keeps, unless the policy asks for it.
+    return np.promote_types(param_dtype, np.float32)
+
+
 _KEYS = {
     "p": "param",
     "param": "param",
@@ -95,6 +159,10 @@ _KEYS = {
     "compute": "compute",
     "o": "output",
     "output": "output",
+    "g": "gather",
+    "gather": "gather",
+    "r": "reduce",
+    "reduce": "reduce",
 }
 _PRESETS = {
     "float32": ("float32", "float32", "float32"),
@@ -136,7 +204,8 @@ def _parse(spec: str) -> Policy:
     param = chosen.get("param", "float32")
     compute = chosen.get("compute", param)
     output = chosen.get("output", compute)
-    return Policy(param, compute, output)
+    # gather defaults to compute, reduce to float32 (Policy's defaults).
+    return Policy(param, compute, output, chosen.get("gather"), chosen.get("reduce"))
 
 
 def _is_jmp_policy(spec: Any) -> bool:
@@ -154,7 +223,9 @@ def get_policy(spec: Policy | str | Any) -> Policy:
         name (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``,
         ``"bfloat16"``, ``"float16"``), a bare dtype name, or jmp's string format
         ``"params=float32,compute=bfloat16,output=float32"`` with jmp's defaults
-        (params float32, compute = params, output = compute).
+        (params float32, compute = params, output = compute), plus the keys
+        ``gather``/``g`` and ``reduce``/``r`` for the wire dtypes (defaults:
+        gather = compute, reduce = float32).
 
     Raises:
       ValueError: a string that is none of these; the message lists the valid
@@ -166,6 +237,8 @@ def get_policy(spec: Policy | str | Any) -> Policy:
     Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=bfloat16)
     >>> jaxamp.get_policy("p=f32,c=f16,o=f32") == jaxamp.get_policy("mixed_float16")
     True
+    >>> jaxamp.get_policy("params=float32,compute=bfloat16,output=float32,reduce=bfloat16")
+    Policy(param_dtype=float32, compute_dtype=bfloat16, output_dtype=float32, reduce_dtype=bfloat16)
     """
     if isinstance(spec, Policy):
         return spec

@@ -263,3 +263,79 @@ def test_policy_for_device_table(device, expected):
 def test_policy_for_device_rejects_non_devices():
     with pytest.raises(TypeError, match="device must be a jax.Device"):
         jaxamp.policy_for_device("gpu")
+
+
+# --- The wire dtypes: gather_dtype and reduce_dtype ---------------------------
+
+
+@pytest.mark.parametrize(
+    "name, gather, reduce",
+    [
+        ("float32", F32, F32),
+        ("mixed_bfloat16", BF16, F32),
+        ("mixed_float16", F16, F32),
+        ("bfloat16", BF16, F32),
+        ("float16", F16, F32),
+        ("float64", np.dtype("float64"), np.dtype("float64")),
+    ],
+)
+def test_wire_dtype_defaults(name, gather, reduce):
+    # Gather in the compute dtype (each shard cast before the all-gather) and reduce
+    # gradients in float32, as FSDP2's MixedPrecisionPolicy(reduce_dtype=float32) and
+    # Megatron's grad_reduce_in_fp32; never narrower than float64 params.
+    policy = get_policy(name)
+    assert (policy.gather_dtype, policy.reduce_dtype) == (gather, reduce)
+    assert isinstance(policy.gather_dtype, np.dtype) and isinstance(policy.reduce_dtype, np.dtype)
+    assert "gather" not in str(policy) and "reduce" not in str(policy)  # defaults stay implicit
+
+
+@pytest.mark.parametrize(
+    "spec, gather, reduce",
+    [
+        ("params=float32,compute=bfloat16,output=float32,reduce=bfloat16", BF16, BF16),
+        ("p=f32,c=bf16,o=f32,r=bf16", BF16, BF16),
+        ("p=f32,c=f16,o=f32,gather=bf16", BF16, F32),
+        ("c=bf16,g=f32,r=f32", F32, F32),
+    ],
+)
+def test_wire_dtypes_parse_and_round_trip(spec, gather, reduce):
+    policy = get_policy(spec)
+    assert (policy.gather_dtype, policy.reduce_dtype) == (gather, reduce)
+    assert get_policy(str(policy)) == policy
+    assert hash(get_policy(str(policy))) == hash(policy)
+    fields = dict(part.split("=") for part in repr(policy)[len("Policy(") : -1].split(", "))
+    assert Policy(**fields) == policy  # repr names every non-default field
+
+
+def test_with_wire_dtypes():
+    base = get_policy("mixed_bfloat16")
+    low = base.with_reduce_dtype(jnp.bfloat16)
+    assert low.reduce_dtype == BF16 and low != base and hash(low) != hash(base)
+    assert str(low) == "params=float32,compute=bfloat16,output=float32,reduce=bfloat16"
+    assert low == get_policy(str(low)) and base.reduce_dtype == F32  # the original unchanged
+    wide = base.with_gather_dtype("f32")
+    assert wide.gather_dtype == F32 and str(wide).endswith(",gather=float32")
+    # A gather dtype left at its default follows the compute dtype; a chosen one stays.
+    assert base.with_compute_dtype("f16").gather_dtype == F16
+    assert wide.with_compute_dtype("f16").gather_dtype == F32
+    # A reduce dtype left at its default follows wider params; a chosen one stays.
+    assert base.with_param_dtype("f64").reduce_dtype == np.dtype("float64")
+    assert low.with_param_dtype("f64").reduce_dtype == BF16
+    # Changing nothing gives an equal policy.
+    assert base.with_gather_dtype("bf16") == base == base.with_reduce_dtype("f32")
+
+
+@pytest.mark.parametrize("role", ["gather", "reduce"])
+@pytest.mark.parametrize(
+    "bad, got", [(jnp.int32, "got int32"), ("bool", "got bool"), (None, "got None"), ("x", "'x'")]
+)
+def test_with_wire_dtype_rejects_non_floating_dtypes(role, bad, got):
+    method = getattr(get_policy("mixed_float16"), f"with_{role}_dtype")
+    with pytest.raises(TypeError, match=rf"{role}_dtype must be a floating-point dtype.*{got}"):
+        method(bad)
+
+
+def test_wire_keys_are_listed_in_the_spec_error():
+    with pytest.raises(ValueError, match=r"keys .*gather.*reduce") as info:
+        get_policy("params=float32,wire=bfloat16")
+    assert "unknown key 'wire'" in str(info.value)
