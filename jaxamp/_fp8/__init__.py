@@ -2,7 +2,7 @@
 
 from jaxamp._fp8._matmul import FP8_PRIMITIVES, fp8_matmul, fp8_operands
 from jaxamp._fp8._native import uses_native
-from jaxamp._fp8._recipe import FP8_PRESET, GEMMS, SCALINGS, Float8Recipe, as_recipe
+from jaxamp._fp8._recipe import FP8_PRESET, GEMMS, SCALINGS, Float8Recipe
 
 __all__ = [
     "FP8_PRESET",
@@ -10,7 +10,6 @@ __all__ = [
     "GEMMS",
     "SCALINGS",
     "Float8Recipe",
-    "as_recipe",
     "fp8_matmul",
     "fp8_operands",
     "uses_native",

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxamp._policy import Policy
 
-__all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe", "as_recipe"]
+__all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe"]
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 # How an mxfp8 product runs: "native" is jax.nn.scaled_matmul (cuDNN's MXFP8 GEMM
@@ -180,11 +180,3 @@ class Float8Recipe:
         """Whether scales are powers of two (``power_of_two_scale`` or ``"mxfp8"``)."""
         return self.power_of_two_scale or self.scaling == "mxfp8"
 
-
-def as_recipe(spec: Any) -> Float8Recipe | None:
-    """The recipe ``spec`` names (a Float8Recipe or ``"mixed_float8"``), else None."""
-    if isinstance(spec, Float8Recipe):
-        return spec
-    if isinstance(spec, str) and spec.strip().lower() == FP8_PRESET:
-        return Float8Recipe()
-    return None
