@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
+from jaxamp._engine._contractions import conv_axes, dot_dims
 from jaxamp._engine._visit import walk
 
 __all__ = [
@@ -198,28 +199,23 @@ def _short(name: str) -> str:
     return _SHORT.get(name, name)
 
 
-def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+def _gemm_info(eqn: jex.JaxprEqn, count: int, dimension_numbers, rhs_other=()) -> MatmulInfo:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    batch = math.prod(lhs.shape[d] for d in lb)
-    m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
-    n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in (*rc, *rb))
-    k = math.prod(lhs.shape[d] for d in lc)
+    dims = dot_dims(dimension_numbers, lhs.ndim, rhs.ndim, rhs_other)
+    batch, m, k = (math.prod(lhs.shape[d] for d in ds) for ds in dims[:3])
+    n = math.prod(rhs.shape[d] for d in dims.rhs_free)
     return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+
+
+def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+    return _gemm_info(eqn, count, eqn.params["dimension_numbers"])
 
 
 def _ragged_dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     # Each lhs row meets one group's weights: the FLOPs of a dot with K x N
     # weights, however many groups there are.
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
     numbers = eqn.params["ragged_dot_dimension_numbers"]
-    (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
-    batch = math.prod(lhs.shape[d] for d in lb)
-    m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
-    skip = (*rc, *rb, *numbers.rhs_group_dimensions)
-    n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in skip)
-    k = math.prod(lhs.shape[d] for d in lc)
-    return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+    return _gemm_info(eqn, count, numbers.dot_dimension_numbers, numbers.rhs_group_dimensions)
 
 
 def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
@@ -237,12 +233,11 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
-    _, rhs_spec, _ = eqn.params["dimension_numbers"]
-    c_in = lhs.shape[eqn.params["dimension_numbers"][0][1]]
-    c_out = rhs.shape[rhs_spec[0]]
-    kernel = math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    axes = conv_axes(eqn.params["dimension_numbers"])
+    c_in, c_out = lhs.shape[axes.lhs_feature], rhs.shape[axes.rhs_out]
+    kernel = math.prod(rhs.shape[d] for d in axes.rhs_spatial)
     # Each output element is a dot over (in-features per group) x kernel taps.
-    flops = 2 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * kernel
+    flops = 2 * math.prod(out.shape) * rhs.shape[axes.rhs_in] * kernel
     return _info(eqn, count, flops, {"C_in": c_in, "C_out": c_out})
 
 

@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import types
 
+from jaxamp._engine._contractions import MATMUL_PRIMITIVES
+
 __all__ = ["AUTOCAST_RULES", "MATMUL_PRIMITIVES", "RULE_KINDS"]
 
 RULE_KINDS = ("compute", "float32", "follow", "keep", "recurse")
-
-# Contractions: the "compute" rule, the matmuls of precision_report, and the
-# products the backward pass re-runs with float32 accumulation. One set.
-MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 _FLOAT32 = (
     # exp/log family and powers (torch: exp, expm1, log, log1p, log2, log10, pow, rsqrt).

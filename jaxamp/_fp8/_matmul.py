@@ -21,6 +21,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxamp._engine import _compat as compat
+from jaxamp._engine._contractions import dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
@@ -96,9 +97,7 @@ def _t(x):
 
 
 def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool):
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lf = [d for d in range(x.ndim) if d not in (*lc, *lb)]
-    rf = [d for d in range(w.ndim) if d not in (*rc, *rb)]
+    lb, lf, lc, rb, rf, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
     out_shape = (
         *(x.shape[d] for d in lb),
         *(x.shape[d] for d in lf),

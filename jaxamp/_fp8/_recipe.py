@@ -179,4 +179,3 @@ class Float8Recipe:
     def exact_scales(self) -> bool:
         """Whether scales are powers of two (``power_of_two_scale`` or ``"mxfp8"``)."""
         return self.power_of_two_scale or self.scaling == "mxfp8"
-
