@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import types
 
+from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
 from jaxamp._engine._contractions import MATMUL_PRIMITIVES
 
 __all__ = ["AUTOCAST_RULES", "MATMUL_PRIMITIVES", "RULE_KINDS"]
@@ -124,22 +125,10 @@ _KEEP = (
     "io_callback",
 )
 
-_RECURSE = (
-    "jit",
-    "closed_call",
-    "custom_jvp_call",
-    "scan",
-    "while",
-    "cond",
-    "remat2",
-    "shard_map",
-    "scatter",
-    "scatter-add",
-    "scatter-sub",
-    "scatter-mul",
-    "scatter-min",
-    "scatter-max",
-)
+# Every primitive with a built-in higher-order rule, and only those: the handlers
+# (keyed by _compat's name groups, e.g. jax 0.12's "eval_jaxpr" next to "call" and
+# "closed_call") are the one list, so the table cannot name one without the other.
+_RECURSE = tuple(HIGHER_ORDER_RULES)
 
 _FOLLOW_LISTED = (
     "add",
