@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
 from jaxamp._engine._contractions import conv_axes, dot_dims
 from jaxamp._engine._visit import walk
+from jaxamp._fp8._scalings import native_scaling, scaling_of_scope
 
 __all__ = [
     "MatmulInfo",
@@ -55,8 +55,9 @@ class MatmulInfo:
       count: how many times it runs (scan trip counts multiplied; a while loop
         counts once).
       fp8_recipe: for an FP8 product of ``autocast(fun, jaxamp.Float8Recipe(...))``
-        its scaling (``"tensorwise"``, ``"rowwise"``, ``"blockwise"``,
-        ``"mxfp8"``, with ``"+pow2"`` for power-of-two scales); else ``""``.
+        its scaling (a ``Float8Recipe.scaling`` such as ``"rowwise"``, with
+        ``"+pow2"`` for power-of-two scales), read from the product's name scope
+        (``jaxamp/_fp8/_scalings.py``); else ``""``.
     """
 
     primitive: str
@@ -227,7 +228,7 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     # Its block scales make it an MX product wherever it was written.
     if info.fp8_recipe or not info.is_fp8:
         return info
-    return dataclasses.replace(info, fp8_recipe="mxfp8")
+    return dataclasses.replace(info, fp8_recipe=native_scaling())
 
 
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
@@ -247,7 +248,6 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
     preferred = eqn.params.get("preferred_element_type")
     accumulation = np.dtype(preferred if preferred is not None else out.dtype).name
     wider = lhs.dtype if np.dtype(lhs.dtype).itemsize >= np.dtype(rhs.dtype).itemsize else rhs.dtype
-    scope = _FP8_SCOPE.search(str(eqn.source_info.name_stack))
     multiple = tensor_core_multiple(wider)
     return MatmulInfo(
         primitive=eqn.primitive.name,
@@ -262,12 +262,9 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
         multiple=multiple,
         aligned={k: v % multiple == 0 for k, v in dims.items()},
         count=count,
-        fp8_recipe=scope.group(1).replace("_pow2", "+pow2") if scope else "",
+        fp8_recipe=scaling_of_scope(str(eqn.source_info.name_stack)),
     )
 
-
-# autocast's FP8 products run in a name scope that names their recipe (jaxamp/_fp8).
-_FP8_SCOPE = re.compile(r"fp8_((?:tensorwise|rowwise|blockwise|mxfp8)(?:_pow2)?)")
 
 _MATMUL_INFO = {
     "dot_general": _dot_info,

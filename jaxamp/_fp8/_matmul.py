@@ -26,11 +26,12 @@ from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
 from jaxamp._fp8._recipe import Float8Recipe
+from jaxamp._fp8._scalings import SCOPE_PREFIX
+from jaxamp._fp8._scalings import scope_name as _scope_name
 
 __all__ = ["FP8_PRIMITIVES", "SCOPE_PREFIX", "fp8_matmul", "fp8_operands", "scope_name"]
 
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
-SCOPE_PREFIX = "fp8_"
 _F32 = np.dtype(np.float32)
 
 
@@ -50,9 +51,7 @@ def _spans(batch, free, contract):
 
 def scope_name(recipe: Float8Recipe, scaling: str | None = None) -> str:
     """The name scope of an FP8 product: precision_report reads the recipe from it."""
-    return (
-        f"{SCOPE_PREFIX}{scaling or recipe.scaling}{'_pow2' if recipe.power_of_two_scale else ''}"
-    )
+    return _scope_name(scaling or recipe.scaling, recipe.power_of_two_scale)
 
 
 def _product(recipe: Float8Recipe, a, a_dtype, a_kind, b, b_dtype, b_kind, out_dtype):

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._engine import _compat as compat
-from jaxamp._fp8._quantize import MX_BLOCK
 from jaxamp._fp8._recipe import Float8Recipe
+from jaxamp._fp8._scalings import MX_BLOCK, SCALINGS
 
 __all__ = ["NATIVE_MIN_CAPABILITY", "native_lowers", "native_product", "platform", "uses_native"]
 
@@ -62,7 +62,7 @@ def native_lowers(backend: str) -> bool:
 
 def uses_native(recipe: Float8Recipe) -> bool:
     """Whether ``recipe``'s products run as ``jax.nn.scaled_matmul`` (decided when traced)."""
-    if recipe.scaling != "mxfp8" or recipe.gemm == "emulated":
+    if not SCALINGS[recipe.scaling].native or recipe.gemm == "emulated":
         return False
     backend, capability = platform()
     if recipe.gemm == "auto":

@@ -9,12 +9,12 @@ and its inverse scales ``[B, P, KB]`` broadcast over the block.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from jaxamp._fp8._scalings import KINDS, Groups, scaling_named
 
 __all__ = ["Groups", "groups_for", "quantize", "scale_from_amax", "scaled_product"]
 
@@ -22,27 +22,17 @@ _F32 = np.dtype(np.float32)
 # Scales are kept within [2**-126, 2**126] so that a scale and its inverse are
 # normal float32 numbers (XLA:CPU flushes float32 subnormals to zero).
 _MAX_EXP = 126
-BLOCK = 128  # blockwise: 1x128 activation/gradient tiles, 128x128 weight tiles
-MX_BLOCK = 32  # mxfp8: 32 values along the contracting dim share an E8M0 scale
-
-
-class Groups(NamedTuple):
-    """Which values share a scale: ``rows`` (None: all) x ``block`` along C (None: all)."""
-
-    whole_batch: bool
-    rows: int | None
-    block: int | None
 
 
 def groups_for(scaling: str, kind: str) -> Groups:
-    """The scaling groups of an operand of ``kind`` ("act", "weight" or "grad")."""
-    if scaling == "tensorwise":
-        return Groups(True, None, None)
-    if scaling == "rowwise":
-        return Groups(False, 1, None)
-    if scaling == "blockwise":
-        return Groups(False, BLOCK if kind == "weight" else 1, BLOCK)
-    return Groups(False, 1, MX_BLOCK)  # mxfp8
+    """The scaling groups of an operand of ``kind`` ("act", "weight" or "grad").
+
+    Raises:
+      ValueError: a scaling that is not in ``_scalings.SCALINGS``, or another kind.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"operand kind must be one of {KINDS}; got {kind!r}.")
+    return scaling_named(scaling).groups[kind]
 
 
 def fp8_max(dtype: np.dtype) -> float:
