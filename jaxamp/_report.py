@@ -134,43 +134,47 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         header = ("op", "lhs", "rhs", "operands", "accum", "out", "FLOPs", "dims (* = misaligned)")
-        rows = [header]
-        for m in self.matmuls:
-            dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
-            rows.append(
-                (
-                    _OP_NAMES[m.primitive],
-                    "x".join(map(str, m.lhs_shape)),
-                    "x".join(map(str, m.rhs_shape)),
-                    "/".join(_short(d) for d in m.operand_dtypes),
-                    _short(m.accumulation_dtype),
-                    _short(m.out_dtype),
-                    _si(m.flops),
-                    dims
-                    + (f" (x{m.count})" if m.count != 1 else "")
-                    + (f" fp8:{m.fp8_recipe}" if m.fp8_recipe else ""),
-                )
-            )
+        rows = [header, *(_row(m) for m in self.matmuls)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         ]
+        return "\n".join(lines + self._summary())
+
+    def _summary(self) -> list[str]:
         total = self.total_flops
         shares = ", ".join(
             f"{_short(d)} {100.0 * f / total:.1f}%" for d, f in self.flops_by_dtype.items()
         )
-        lines.append(
+        lines = [
             f"{len(self.matmuls)} matmul/conv ops, {_si(total)} FLOPs"
             + (f" ({shares})" if total else "")
             + f"; {len(self.misaligned)} with a misaligned dim"
-        )
+        ]
         if any(m.is_fp8 for m in self.matmuls):
             recipes = sorted({m.fp8_recipe for m in self.matmuls if m.fp8_recipe})
             lines.append(
                 f"FP8: {100.0 * self.fp8_fraction:.1f}% of FLOPs"
                 + (f" ({', '.join(recipes)})" if recipes else "")
             )
-        return "\n".join(lines)
+        return lines
+
+
+def _row(m: MatmulInfo) -> tuple[str, ...]:
+    """One line of the table: the op, shapes, dtypes, FLOPs and dims of ``m``."""
+    dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
+    count = f" (x{m.count})" if m.count != 1 else ""
+    recipe = f" fp8:{m.fp8_recipe}" if m.fp8_recipe else ""
+    return (
+        _OP_NAMES[m.primitive],
+        "x".join(map(str, m.lhs_shape)),
+        "x".join(map(str, m.rhs_shape)),
+        "/".join(_short(d) for d in m.operand_dtypes),
+        _short(m.accumulation_dtype),
+        _short(m.out_dtype),
+        _si(m.flops),
+        dims + count + recipe,
+    )
 
 
 def _si(n: int) -> str:

@@ -14,7 +14,8 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._caster import Autocaster
 from jaxamp._autocast._dispatch import rule_table
 from jaxamp._autocast._remat import save_narrow_values
-from jaxamp._autocast._values import PLAIN, cast, is_float
+from jaxamp._autocast._values import PLAIN, cast
+from jaxamp._casting import is_floating
 from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._engine._trace import trace
 from jaxamp._fp8 import Float8Recipe
@@ -121,7 +122,7 @@ def autocast(
         output_dtype = np.dtype(policy.output_dtype)
         flat = [
             cast(v, output_dtype)
-            if is_float(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
+            if is_floating(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
             else v
             for v, var in zip(run(*arrays), closed.jaxpr.outvars, strict=True)
         ]

@@ -25,13 +25,12 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxamp._alignment import align_dim
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import MATMUL_PRIMITIVES, conv_axes, dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
 
 __all__ = ["padded", "run_matmul"]
-
-_F32 = np.dtype(np.float32)
 
 
 def _canonical_dot(params: dict, x, w):
@@ -75,7 +74,7 @@ def _cpu_product(prim: jex.Primitive, params: dict, x, w, *extra):
 
 def _accumulating(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
     # ``extra``: non-floating operands after the two factors (ragged_dot's group sizes).
-    params = {**params, "preferred_element_type": _F32}
+    params = {**params, "preferred_element_type": F32}
     if jax.default_backend() == "cpu":
         out = _cpu_product(prim, params, x, w, *extra)
     else:  # GPU/TPU: the native 16-bit product, as written

@@ -20,6 +20,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
@@ -32,7 +33,6 @@ from jaxamp._fp8._scalings import scope_name as _scope_name
 __all__ = ["FP8_PRIMITIVES", "SCOPE_PREFIX", "fp8_matmul", "fp8_operands", "scope_name"]
 
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
-_F32 = np.dtype(np.float32)
 
 
 def _to_canonical(x, batch, free, contract):
@@ -83,8 +83,8 @@ def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str]) -> Callable:
     def bwd(residuals, g):
         a, b = residuals
         # da[B, P, C] = g[B, P, Q] . b over Q;  db[B, Q, C] = g^T[B, Q, P] . a over P.
-        da = _product(recipe, g, grad_dtype, "grad", _t(b), fwd_dtype, b_kind, _F32)
-        db = _product(recipe, _t(g), grad_dtype, "grad", _t(a), fwd_dtype, a_kind, _F32)
+        da = _product(recipe, g, grad_dtype, "grad", _t(b), fwd_dtype, b_kind, F32)
+        db = _product(recipe, _t(g), grad_dtype, "grad", _t(a), fwd_dtype, a_kind, F32)
         return da.astype(a.dtype), db.astype(b.dtype)
 
     matmul.defvjp(fwd, bwd)
@@ -121,7 +121,7 @@ def _eval_fp8_pullback(closed: jex.ClosedJaxpr, args: list, widen: np.dtype) -> 
         if eqn.primitive.name == "conv_general_dilated":
             if ins[0].dtype != ins[1].dtype:
                 ins = [jax.lax.convert_element_type(v, widen) for v in ins]
-            params = {**eqn.params, "preferred_element_type": _F32}
+            params = {**eqn.params, "preferred_element_type": F32}
             return [eqn.primitive.bind(*ins, **params)]
         return compat.bind_eqn(eqn, ins)
 
@@ -136,7 +136,7 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
         recipe.compute_dtype,
     )
     tensorwise, pow2 = groups_for("tensorwise", "act"), recipe.exact_scales
-    f32_params = {**params, "preferred_element_type": _F32}
+    f32_params = {**params, "preferred_element_type": F32}
 
     def q(v, dtype):
         quantized, inverse = quantize(v.reshape(1, 1, -1), dtype, tensorwise, pow2)
@@ -162,7 +162,7 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
             (dw,) = jax.linear_transpose(lambda b: prim.bind(x, b, **f32_params), w)(g)
             return dx, dw
 
-        avals = [jax.ShapeDtypeStruct(v.shape, _F32) for v in (x, w, g)]
+        avals = [jax.ShapeDtypeStruct(v.shape, F32) for v in (x, w, g)]
         closed = jax.make_jaxpr(pullback)(*avals)
         with jax.named_scope(scope):
             dx, dw = _eval_fp8_pullback(closed, [qx, qw, qg], out_dtype)

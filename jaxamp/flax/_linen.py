@@ -13,10 +13,14 @@ from flax.training import train_state
 
 from jaxamp._casting import cast_floating
 from jaxamp._checks import check_transformation
-from jaxamp._loss_scaling._finite import select
-from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
-from jaxamp._loss_scaling._state import get_loss_scale, loss_scaling_state, loss_scaling_states
-from jaxamp._loss_scaling._transform import loss_scaling
+from jaxamp._loss_scaling import (
+    get_loss_scale,
+    loss_scaling,
+    loss_scaling_state,
+    loss_scaling_states,
+    scaled_value_and_grad,
+    select,
+)
 from jaxamp._resolve import resolve
 from jaxamp.flax._overrides import normalize_overrides, policy_for
 
