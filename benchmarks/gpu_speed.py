@@ -47,11 +47,12 @@ import optax
 
 import jaxamp
 from benchmarks import _harness, _models, low_precision
+from jaxamp._fp8 import SCALINGS  # the scaling table: a new scaling gets its rows
 
 NAME = "gpu_speed"
 PAD_MULTIPLE = 64
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+FP8_SCALINGS = tuple(SCALINGS)
 MX_GEMMS = ("emulated", "native")  # mxfp8 runs in both forms (Float8Recipe.gemm)
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384)
 # The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.
@@ -145,8 +146,8 @@ def fp8_variants() -> dict[str, Any]:
     """Row name -> policy: bf16, each scaling, and mxfp8 in both its forms."""
     variants: dict[str, Any] = {"bf16": "mixed_bfloat16"}
     for s in FP8_SCALINGS:
-        if s == "mxfp8":
-            variants.update({f"fp8_mxfp8_{g}": jaxamp.Float8Recipe(s, gemm=g) for g in MX_GEMMS})
+        if SCALINGS[s].native:
+            variants.update({f"fp8_{s}_{g}": jaxamp.Float8Recipe(s, gemm=g) for g in MX_GEMMS})
         else:
             variants[f"fp8_{s}"] = jaxamp.Float8Recipe(s)
     return variants

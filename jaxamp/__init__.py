@@ -18,19 +18,22 @@ from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._fp8 import Float8Recipe
-from jaxamp._loss_scaling._finite import all_finite, select_tree
-from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
-from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp._loss_scaling._skip_guard import TooManySkippedSteps
-from jaxamp._loss_scaling._state import (
+from jaxamp._loss_scaling import (
     AccumulationState,
+    DynamicLossScale,
+    LossScale,
     LossScalingState,
+    NoOpLossScale,
+    StaticLossScale,
+    TooManySkippedSteps,
+    all_finite,
     get_loss_scale,
+    loss_scaling,
     loss_scaling_metrics,
+    scaled_value_and_grad,
+    select_tree,
 )
-from jaxamp._loss_scaling._transform import loss_scaling
-from jaxamp._low_precision._optimizer import LowPrecisionState, low_precision_optimizer
-from jaxamp._low_precision._rounding import stochastic_round
+from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer, stochastic_round
 from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics_report
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report

@@ -11,7 +11,10 @@ import numpy as np
 
 from jaxamp._engine._trace import ARRAY_TYPES
 
-__all__ = ["canonical_float_dtype", "cast_floating", "is_floating", "is_narrow", "widen"]
+__all__ = ["F32", "canonical_float_dtype", "cast_floating", "is_floating", "is_narrow", "widen"]
+
+# float32: what jaxamp accumulates, widens and keeps precision-sensitive values in.
+F32 = np.dtype(np.float32)
 
 # Leaves whose dtype casting may change: arrays (the engine's ARRAY_TYPES, tracers
 # included) and the avals of jax.eval_shape.
@@ -66,8 +69,17 @@ def is_floating(x: Any) -> bool:
 
 
 def is_narrow(x: Any) -> bool:
-    """Whether ``x`` is a float narrower than 32 bits (16-bit, 8-bit)."""
-    return is_floating(x) and jnp.dtype(x.dtype).itemsize < 4
+    """Whether ``x`` (a value, an aval or a dtype) is a float narrower than 32 bits.
+
+    >>> import jax.numpy as jnp
+    >>> is_narrow(jnp.ones(2, jnp.bfloat16)), is_narrow(jnp.float16), is_narrow(None)
+    (True, True, False)
+    """
+    try:
+        dtype = np.dtype(getattr(x, "dtype", x))
+    except (TypeError, ValueError):
+        return False
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
 
 
 def widen(x: Any) -> Any:

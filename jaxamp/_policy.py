@@ -264,6 +264,31 @@ _MX_NOTE = (
 )
 
 
+_PLATFORM_CHOICES = {
+    "tpu": ("mixed_bfloat16", "TPUs compute natively in bfloat16."),
+    "rocm": ("mixed_bfloat16", "AMD matrix cores support bfloat16."),
+}
+
+
+def _nvidia_choice(kind: str, capability: Any) -> tuple[str, str]:
+    """``(preset, reason)`` for an NVIDIA GPU of this compute capability."""
+    major = float(capability) if capability else 0.0
+    where = f"{kind} (compute capability {capability})"
+    if major >= 8.0:
+        reason = (
+            f"{where} has bfloat16 Tensor Cores; "
+            "bfloat16 keeps float32's range, so no loss scaling is needed."
+        )
+        reason += (_FP8_NOTE if major >= 8.9 else "") + (_MX_NOTE if major >= 10.0 else "")
+        return "mixed_bfloat16", reason
+    if major >= 7.0:
+        return "mixed_float16", (
+            f"{where} has float16 but no "
+            "bfloat16 Tensor Cores; use dynamic loss scaling with float16."
+        )
+    return "float32", f"{where} has no Tensor Cores."
+
+
 def policy_for_device(
     device: jax.Device | None = None, *, with_reason: bool = False
 ) -> Policy | tuple[Policy, str]:
@@ -294,32 +319,11 @@ def policy_for_device(
         raise TypeError(f"device must be a jax.Device or None; got {device!r}.")
     platform = device.platform.lower()
     kind = getattr(device, "device_kind", platform)
-    if platform == "tpu":
-        name, reason = "mixed_bfloat16", f"{kind}: TPUs compute natively in bfloat16."
-    elif platform in ("gpu", "cuda"):
-        capability = getattr(device, "compute_capability", None)
-        major = float(capability) if capability else 0.0
-        if major >= 8.0:
-            name = "mixed_bfloat16"
-            reason = (
-                f"{kind} (compute capability {capability}) has bfloat16 Tensor Cores; "
-                "bfloat16 keeps float32's range, so no loss scaling is needed."
-            )
-            if major >= 8.9:
-                reason += _FP8_NOTE
-            if major >= 10.0:
-                reason += _MX_NOTE
-        elif major >= 7.0:
-            name = "mixed_float16"
-            reason = (
-                f"{kind} (compute capability {capability}) has float16 but no "
-                "bfloat16 Tensor Cores; use dynamic loss scaling with float16."
-            )
-        else:
-            name = "float32"
-            reason = f"{kind} (compute capability {capability}) has no Tensor Cores."
-    elif platform == "rocm":
-        name, reason = "mixed_bfloat16", f"{kind}: AMD matrix cores support bfloat16."
+    if platform in ("gpu", "cuda"):
+        name, reason = _nvidia_choice(kind, getattr(device, "compute_capability", None))
+    elif platform in _PLATFORM_CHOICES:
+        name, why = _PLATFORM_CHOICES[platform]
+        reason = f"{kind}: {why}"
     else:
         name = "float32"
         reason = (

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +18,9 @@ import numpy as np
 
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
+from jaxamp._engine._contractions import conv_axes, dot_dims
 from jaxamp._engine._visit import walk
+from jaxamp._fp8._scalings import native_scaling, scaling_of_scope
 
 __all__ = [
     "MatmulInfo",
@@ -54,8 +55,9 @@ class MatmulInfo:
       count: how many times it runs (scan trip counts multiplied; a while loop
         counts once).
       fp8_recipe: for an FP8 product of ``autocast(fun, jaxamp.Float8Recipe(...))``
-        its scaling (``"tensorwise"``, ``"rowwise"``, ``"blockwise"``,
-        ``"mxfp8"``, with ``"+pow2"`` for power-of-two scales); else ``""``.
+        its scaling (a ``Float8Recipe.scaling`` such as ``"rowwise"``, with
+        ``"+pow2"`` for power-of-two scales), read from the product's name scope
+        (``jaxamp/_fp8/_scalings.py``); else ``""``.
     """
 
     primitive: str
@@ -132,43 +134,47 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         header = ("op", "lhs", "rhs", "operands", "accum", "out", "FLOPs", "dims (* = misaligned)")
-        rows = [header]
-        for m in self.matmuls:
-            dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
-            rows.append(
-                (
-                    _OP_NAMES[m.primitive],
-                    "x".join(map(str, m.lhs_shape)),
-                    "x".join(map(str, m.rhs_shape)),
-                    "/".join(_short(d) for d in m.operand_dtypes),
-                    _short(m.accumulation_dtype),
-                    _short(m.out_dtype),
-                    _si(m.flops),
-                    dims
-                    + (f" (x{m.count})" if m.count != 1 else "")
-                    + (f" fp8:{m.fp8_recipe}" if m.fp8_recipe else ""),
-                )
-            )
+        rows = [header, *(_row(m) for m in self.matmuls)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         ]
+        return "\n".join(lines + self._summary())
+
+    def _summary(self) -> list[str]:
         total = self.total_flops
         shares = ", ".join(
             f"{_short(d)} {100.0 * f / total:.1f}%" for d, f in self.flops_by_dtype.items()
         )
-        lines.append(
+        lines = [
             f"{len(self.matmuls)} matmul/conv ops, {_si(total)} FLOPs"
             + (f" ({shares})" if total else "")
             + f"; {len(self.misaligned)} with a misaligned dim"
-        )
+        ]
         if any(m.is_fp8 for m in self.matmuls):
             recipes = sorted({m.fp8_recipe for m in self.matmuls if m.fp8_recipe})
             lines.append(
                 f"FP8: {100.0 * self.fp8_fraction:.1f}% of FLOPs"
                 + (f" ({', '.join(recipes)})" if recipes else "")
             )
-        return "\n".join(lines)
+        return lines
+
+
+def _row(m: MatmulInfo) -> tuple[str, ...]:
+    """One line of the table: the op, shapes, dtypes, FLOPs and dims of ``m``."""
+    dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
+    count = f" (x{m.count})" if m.count != 1 else ""
+    recipe = f" fp8:{m.fp8_recipe}" if m.fp8_recipe else ""
+    return (
+        _OP_NAMES[m.primitive],
+        "x".join(map(str, m.lhs_shape)),
+        "x".join(map(str, m.rhs_shape)),
+        "/".join(_short(d) for d in m.operand_dtypes),
+        _short(m.accumulation_dtype),
+        _short(m.out_dtype),
+        _si(m.flops),
+        dims + count + recipe,
+    )
 
 
 def _si(n: int) -> str:
@@ -198,28 +204,23 @@ def _short(name: str) -> str:
     return _SHORT.get(name, name)
 
 
-def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+def _gemm_info(eqn: jex.JaxprEqn, count: int, dimension_numbers, rhs_other=()) -> MatmulInfo:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    batch = math.prod(lhs.shape[d] for d in lb)
-    m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
-    n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in (*rc, *rb))
-    k = math.prod(lhs.shape[d] for d in lc)
+    dims = dot_dims(dimension_numbers, lhs.ndim, rhs.ndim, rhs_other)
+    batch, m, k = (math.prod(lhs.shape[d] for d in ds) for ds in dims[:3])
+    n = math.prod(rhs.shape[d] for d in dims.rhs_free)
     return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+
+
+def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+    return _gemm_info(eqn, count, eqn.params["dimension_numbers"])
 
 
 def _ragged_dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     # Each lhs row meets one group's weights: the FLOPs of a dot with K x N
     # weights, however many groups there are.
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
     numbers = eqn.params["ragged_dot_dimension_numbers"]
-    (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
-    batch = math.prod(lhs.shape[d] for d in lb)
-    m = math.prod(lhs.shape[d] for d in range(lhs.ndim) if d not in (*lc, *lb))
-    skip = (*rc, *rb, *numbers.rhs_group_dimensions)
-    n = math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in skip)
-    k = math.prod(lhs.shape[d] for d in lc)
-    return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+    return _gemm_info(eqn, count, numbers.dot_dimension_numbers, numbers.rhs_group_dimensions)
 
 
 def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
@@ -231,18 +232,17 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     # Its block scales make it an MX product wherever it was written.
     if info.fp8_recipe or not info.is_fp8:
         return info
-    return dataclasses.replace(info, fp8_recipe="mxfp8")
+    return dataclasses.replace(info, fp8_recipe=native_scaling())
 
 
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
-    _, rhs_spec, _ = eqn.params["dimension_numbers"]
-    c_in = lhs.shape[eqn.params["dimension_numbers"][0][1]]
-    c_out = rhs.shape[rhs_spec[0]]
-    kernel = math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    axes = conv_axes(eqn.params["dimension_numbers"])
+    c_in, c_out = lhs.shape[axes.lhs_feature], rhs.shape[axes.rhs_out]
+    kernel = math.prod(rhs.shape[d] for d in axes.rhs_spatial)
     # Each output element is a dot over (in-features per group) x kernel taps.
-    flops = 2 * math.prod(out.shape) * rhs.shape[rhs_spec[1]] * kernel
+    flops = 2 * math.prod(out.shape) * rhs.shape[axes.rhs_in] * kernel
     return _info(eqn, count, flops, {"C_in": c_in, "C_out": c_out})
 
 
@@ -252,7 +252,6 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
     preferred = eqn.params.get("preferred_element_type")
     accumulation = np.dtype(preferred if preferred is not None else out.dtype).name
     wider = lhs.dtype if np.dtype(lhs.dtype).itemsize >= np.dtype(rhs.dtype).itemsize else rhs.dtype
-    scope = _FP8_SCOPE.search(str(eqn.source_info.name_stack))
     multiple = tensor_core_multiple(wider)
     return MatmulInfo(
         primitive=eqn.primitive.name,
@@ -267,12 +266,9 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
         multiple=multiple,
         aligned={k: v % multiple == 0 for k, v in dims.items()},
         count=count,
-        fp8_recipe=scope.group(1).replace("_pow2", "+pow2") if scope else "",
+        fp8_recipe=scaling_of_scope(str(eqn.source_info.name_stack)),
     )
 
-
-# autocast's FP8 products run in a name scope that names their recipe (jaxamp/_fp8).
-_FP8_SCOPE = re.compile(r"fp8_((?:tensorwise|rowwise|blockwise|mxfp8)(?:_pow2)?)")
 
 _MATMUL_INFO = {
     "dot_general": _dot_info,

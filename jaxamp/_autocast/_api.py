@@ -14,11 +14,13 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._autocast._caster import Autocaster
 from jaxamp._autocast._dispatch import rule_table
 from jaxamp._autocast._remat import save_narrow_values
-from jaxamp._autocast._values import PLAIN, cast, is_float
+from jaxamp._autocast._values import PLAIN, cast
+from jaxamp._casting import is_floating
 from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._engine._trace import trace
-from jaxamp._fp8 import Float8Recipe, as_recipe
-from jaxamp._policy import Policy, get_policy
+from jaxamp._fp8 import Float8Recipe
+from jaxamp._policy import Policy
+from jaxamp._resolve import resolve
 
 __all__ = ["autocast"]
 
@@ -101,8 +103,7 @@ def autocast(
     {'bfloat16': 48}
     """
     check_callable(fun)
-    recipe = as_recipe(policy)  # "mixed_float8" or a Float8Recipe: FP8 matmuls
-    policy = recipe.policy if recipe is not None else get_policy(policy)
+    policy, recipe = resolve(policy)  # recipe: "mixed_float8" or a Float8Recipe (FP8 matmuls)
     table = rule_table(rules)
     multiple = _pad_multiple(pad_to, policy)
     remat = check_bool(remat_float32, "remat_float32")
@@ -121,7 +122,7 @@ def autocast(
         output_dtype = np.dtype(policy.output_dtype)
         flat = [
             cast(v, output_dtype)
-            if is_float(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
+            if is_floating(v) and jnp.issubdtype(var.aval.dtype, jnp.floating)
             else v
             for v, var in zip(run(*arrays), closed.jaxpr.outvars, strict=True)
         ]

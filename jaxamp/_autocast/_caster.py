@@ -26,11 +26,11 @@ from jaxamp._autocast._values import (
     PINNED,
     PLAIN,
     cast,
-    is_float,
     promote,
-    saturating_cast,
+    saturate_finite,
 )
 from jaxamp._autocast._wide import breaks_in, feeds_reduction, is_constant
+from jaxamp._casting import F32, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
@@ -44,8 +44,6 @@ __all__ = [
     "custom_rule",
     "unknown_higher_order_message",
 ]
-
-_F32 = np.dtype(np.float32)
 
 
 # A rule: ``rule(autocaster, eqn, ins) -> outs`` on ``(value, role)`` pairs.
@@ -112,31 +110,31 @@ class Autocaster:
             if pinned or active:
                 target = promote(pinned + active)
                 for i in idxs:
-                    to = saturating_cast if ins[i][1] == PLAIN else cast
+                    to = saturate_finite if ins[i][1] == PLAIN else cast
                     values[i] = to(values[i], target)
-        return values, max((r for v, r in ins if is_float(v)), default=PLAIN)
+        return values, max((r for v, r in ins if is_floating(v)), default=PLAIN)
 
     def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
         """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
-        roles = [r for v, r in ins if is_float(v)]
+        roles = [r for v, r in ins if is_floating(v)]
         if PINNED in roles or ACTIVATION not in roles:
             return False  # nothing is narrowed
         if any(id(eqn) in wide for _, wide in self._wide_powers.values()):
             return True  # a power or product on its way into a float32 sum
-        plain = [v for v, r in ins if is_float(v) and r == PLAIN]
+        plain = [v for v, r in ins if is_floating(v) and r == PLAIN]
         if any(breaks_in(v, self.compute_dtype) for v in plain):
             return True  # an eps that underflows
-        if eqn.primitive.name == "div":
-            divisor, role = ins[1]
-            # A traced float32 divisor (a count, a norm) may be tiny; a constant
-            # that fits (x / 2.0, x / sqrt(d)) is safe, one that does not broke above.
-            return (
-                is_float(divisor)
-                and role == PLAIN
-                and _wider(divisor, self.compute_dtype)
-                and not is_constant(divisor)
-            )
-        return False
+        return eqn.primitive.name == "div" and self._tiny_divisor(*ins[1])
+
+    def _tiny_divisor(self, divisor: Any, role: int) -> bool:
+        # A traced float32 divisor (a count, a norm) may be tiny; a constant
+        # that fits (x / 2.0, x / sqrt(d)) is safe, one that does not broke above.
+        return (
+            is_floating(divisor)
+            and role == PLAIN
+            and _wider(divisor, self.compute_dtype)
+            and not is_constant(divisor)
+        )
 
     def role_of_cast(self, dtype: np.dtype) -> int:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
@@ -174,7 +172,7 @@ def _groups(eqn: jex.JaxprEqn, ins: list[tuple]) -> dict[np.dtype, list[int]]:
     # Operands traced with the same dtype must again share one dtype.
     groups: dict[np.dtype, list[int]] = {}
     for i, (atom, (value, _)) in enumerate(zip(eqn.invars, ins, strict=True)):
-        if is_float(value):
+        if is_floating(value):
             groups.setdefault(np.dtype(atom.aval.dtype), []).append(i)
     return groups
 
@@ -192,10 +190,10 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if ac.breaks_in_compute_dtype(eqn, ins):
         return float32(ac, eqn, ins)
     values, role = ac.follow_values(eqn, ins)
-    operand_dtypes = {v.dtype for v in values if is_float(v)}
+    operand_dtypes = {v.dtype for v in values if is_floating(v)}
     outs = []
     for out in compat.bind_eqn(eqn, values):
-        if not is_float(out) or role == PLAIN:
+        if not is_floating(out) or role == PLAIN:
             outs.append((out, PLAIN))
         elif out.dtype in operand_dtypes:
             outs.append((out, role))
@@ -208,13 +206,13 @@ def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """Floating operands to (at least) float32; a result that was touched is PINNED."""
     values = [v for v, _ in ins]
     for idxs in _groups(eqn, ins).values():
-        target = promote([_F32] + [ins[i][0].dtype for i in idxs])
+        target = promote([F32] + [ins[i][0].dtype for i in idxs])
         for i in idxs:
             values[i] = cast(values[i], target)
-    touched = any(r != PLAIN for v, r in ins if is_float(v))
+    touched = any(r != PLAIN for v, r in ins if is_floating(v))
     outs = compat.bind_eqn(eqn, values)
     return [
-        (o, PINNED if is_float(o) and (touched or o.dtype != var.aval.dtype) else PLAIN)
+        (o, PINNED if is_floating(o) and (touched or o.dtype != var.aval.dtype) else PLAIN)
         for o, var in zip(outs, eqn.outvars, strict=True)
     ]
 
@@ -222,7 +220,7 @@ def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
 def keep(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """Operands back to their traced dtypes; the equation runs as traced."""
     values = [
-        cast(v, np.dtype(atom.aval.dtype)) if is_float(v) else v
+        cast(v, np.dtype(atom.aval.dtype)) if is_floating(v) else v
         for atom, (v, _) in zip(eqn.invars, ins, strict=True)
     ]
     return [(o, PLAIN) for o in compat.bind_eqn(eqn, values)]
@@ -231,7 +229,7 @@ def keep(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
 def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """A contraction on compute-dtype factors with float32 accumulation (``_matmul``)."""
     (lhs, lhs_role), (rhs, rhs_role), *rest = ins
-    if not (is_float(lhs) and is_float(rhs)):
+    if not (is_floating(lhs) and is_floating(rhs)):
         return follow(ac, eqn, ins)
     if ac.fp8 is not None and eqn.primitive.name in FP8_PRIMITIVES:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
@@ -260,7 +258,7 @@ def _contraction_operand(value: Any, role: int, dtype: np.dtype) -> Any:
     parameters (PLAIN) are cast as they are: the usual path pays nothing.
     """
     if role == PINNED:
-        return saturating_cast(value, dtype)
+        return saturate_finite(value, dtype)
     return cast(value, dtype)
 
 
@@ -285,10 +283,10 @@ def custom_rule(fn: Callable) -> Rule:
 
     def rule(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         outs = list(fn(ac.context, eqn, *[v for v, _ in ins]))
-        in_role = max((r for v, r in ins if is_float(v)), default=PLAIN)
+        in_role = max((r for v, r in ins if is_floating(v)), default=PLAIN)
         roles = []
         for out, var in zip(outs, eqn.outvars, strict=True):
-            if not is_float(out):
+            if not is_floating(out):
                 roles.append(PLAIN)
             elif out.dtype == var.aval.dtype:
                 roles.append(in_role)

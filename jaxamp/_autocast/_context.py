@@ -7,8 +7,8 @@ from typing import Any
 import jax.extend.core as jex
 import numpy as np
 
-from jaxamp._autocast._values import cast, is_float
-from jaxamp._casting import canonical_float_dtype
+from jaxamp._autocast._values import cast
+from jaxamp._casting import canonical_float_dtype, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._policy import Policy
 
@@ -68,7 +68,7 @@ class AutocastContext:
         autocast); NumPy values stay NumPy values (constants stay constants).
         """
         dtype = canonical_float_dtype(dtype, "dtype")
-        return cast(x, dtype) if is_float(x) else x
+        return cast(x, dtype) if is_floating(x) else x
 
     def __repr__(self) -> str:
         return f"AutocastContext(policy={self.policy!r})"

@@ -25,13 +25,12 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxamp._alignment import align_dim
-from jaxamp._autocast._rules import MATMUL_PRIMITIVES
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
+from jaxamp._engine._contractions import MATMUL_PRIMITIVES, conv_axes, dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
 
 __all__ = ["padded", "run_matmul"]
-
-_F32 = np.dtype(np.float32)
 
 
 def _canonical_dot(params: dict, x, w):
@@ -39,9 +38,7 @@ def _canonical_dot(params: dict, x, w):
     # YNNPACK kernel takes for bf16 x bf16 -> f32 (a rhs already laid out as
     # (batch, free, contract) stays so). The result layout (batch, lhs free, rhs
     # free) is the same as the original's because free dims keep their order.
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lf = [d for d in range(x.ndim) if d not in (*lc, *lb)]
-    rf = [d for d in range(w.ndim) if d not in (*rc, *rb)]
+    lb, lf, lc, rb, rf, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
     lhs_perm, rhs_perm = (*lb, *lf, *lc), (*rb, *rc, *rf)
     if (*rb, *rf, *rc) == tuple(range(w.ndim)):
         rhs_perm = (*rb, *rf, *rc)
@@ -77,7 +74,7 @@ def _cpu_product(prim: jex.Primitive, params: dict, x, w, *extra):
 
 def _accumulating(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
     # ``extra``: non-floating operands after the two factors (ragged_dot's group sizes).
-    params = {**params, "preferred_element_type": _F32}
+    params = {**params, "preferred_element_type": F32}
     if jax.default_backend() == "cpu":
         out = _cpu_product(prim, params, x, w, *extra)
     else:  # GPU/TPU: the native 16-bit product, as written
@@ -176,9 +173,7 @@ def _slicer(out_axes: list[tuple[int, int]]) -> Callable | None:
 
 
 def _pad_dot(params: dict, x, w, multiple: int):
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lhs_free = [d for d in range(x.ndim) if d not in (*lc, *lb)]
-    rhs_free = [d for d in range(w.ndim) if d not in (*rc, *rb)]
+    lb, lhs_free, lc, _, rhs_free, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
     if lc and math.prod(x.shape[d] for d in lc) % multiple:
         x, _ = _pad_axis(x, lc[-1], multiple)
         w, _ = _pad_axis(w, rc[-1], multiple)
@@ -197,15 +192,15 @@ def _pad_dot(params: dict, x, w, multiple: int):
 def _pad_conv(params: dict, x, w, multiple: int):
     if params["feature_group_count"] != 1 or params["batch_group_count"] != 1:
         return x, w, None  # grouped/depthwise convolutions keep their channel layout
-    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
-    if x.shape[lhs_spec[1]] % multiple:
-        x, _ = _pad_axis(x, lhs_spec[1], multiple)
-        w, _ = _pad_axis(w, rhs_spec[1], multiple)
+    axes = conv_axes(params["dimension_numbers"])
+    if x.shape[axes.lhs_feature] % multiple:
+        x, _ = _pad_axis(x, axes.lhs_feature, multiple)
+        w, _ = _pad_axis(w, axes.rhs_in, multiple)
     out_axes = []
-    if w.shape[rhs_spec[0]] % multiple:
-        size = w.shape[rhs_spec[0]]
-        w, _ = _pad_axis(w, rhs_spec[0], multiple)
-        out_axes.append((out_spec[1], size))
+    if w.shape[axes.rhs_out] % multiple:
+        size = w.shape[axes.rhs_out]
+        w, _ = _pad_axis(w, axes.rhs_out, multiple)
+        out_axes.append((axes.out_feature, size))
     return x, w, _slicer(out_axes)
 
 

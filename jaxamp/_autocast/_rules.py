@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import types
 
+from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
+from jaxamp._engine._contractions import MATMUL_PRIMITIVES
+
 __all__ = ["AUTOCAST_RULES", "MATMUL_PRIMITIVES", "RULE_KINDS"]
 
 RULE_KINDS = ("compute", "float32", "follow", "keep", "recurse")
-
-# Contractions: the "compute" rule, the matmuls of precision_report, and the
-# products the backward pass re-runs with float32 accumulation. One set.
-MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 _FLOAT32 = (
     # exp/log family and powers (torch: exp, expm1, log, log1p, log2, log10, pow, rsqrt).
@@ -126,22 +125,10 @@ _KEEP = (
     "io_callback",
 )
 
-_RECURSE = (
-    "jit",
-    "closed_call",
-    "custom_jvp_call",
-    "scan",
-    "while",
-    "cond",
-    "remat2",
-    "shard_map",
-    "scatter",
-    "scatter-add",
-    "scatter-sub",
-    "scatter-mul",
-    "scatter-min",
-    "scatter-max",
-)
+# Every primitive with a built-in higher-order rule, and only those: the handlers
+# (keyed by _compat's name groups, e.g. jax 0.12's "eval_jaxpr" next to "call" and
+# "closed_call") are the one list, so the table cannot name one without the other.
+_RECURSE = tuple(HIGHER_ORDER_RULES)
 
 _FOLLOW_LISTED = (
     "add",

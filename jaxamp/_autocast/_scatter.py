@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxamp._autocast._values import PLAIN, cast, is_float
+from jaxamp._autocast._values import PLAIN, cast
+from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 
 __all__ = ["SCATTER_RULES"]
@@ -43,7 +44,7 @@ def _handle_scatter(ac, eqn, ins):
         unique_indices=parts.unique_indices,
         mode=parts.mode,
     )
-    return [(out, role if is_float(out) else PLAIN)]
+    return [(out, role if is_floating(out) else PLAIN)]
 
 
 def _scatter_apply(ac, parts, operand, indices, update_shape, role):

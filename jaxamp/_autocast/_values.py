@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating as is_float
+from jaxamp._casting import is_floating
+
+# The older name of _casting.is_floating, still imported by _control_flow.py.
+is_float = is_floating
 
 __all__ = [
     "ACTIVATION",
@@ -25,7 +28,7 @@ __all__ = [
     "cast",
     "is_float",
     "promote",
-    "saturating_cast",
+    "saturate_finite",
 ]
 
 PLAIN, ACTIVATION, PINNED = 0, 1, 2
@@ -39,7 +42,7 @@ def cast(x: Any, dtype: np.dtype) -> Any:
     return jax.lax.convert_element_type(x, dtype)
 
 
-def saturating_cast(x: Any, dtype: np.dtype) -> Any:
+def saturate_finite(x: Any, dtype: np.dtype) -> Any:
     """``cast``, except that finite values beyond ``dtype``'s range become its max.
 
     For parameters and constants that follow an activation into the compute

@@ -18,7 +18,7 @@ inputs to 16 bits but keeps in float32 what 16 bits would break:
 - constants the compute dtype cannot hold: an ``eps`` of ``1e-8`` is 0 in
   float16, so ``log(p + 1e-8)`` becomes ``log(0)``. An equation meeting such a
   constant runs in float32. Huge constants (mask fill values) saturate instead,
-  see ``_values.saturating_cast``.
+  see ``_values.saturate_finite``.
 
 The measurements behind these choices are in docs/api/autocast.md.
 """
@@ -168,7 +168,7 @@ def breaks_in(value: Any, dtype: np.dtype) -> bool:
 
     True when some nonzero finite value becomes 0 or loses more than a few bits
     of precision as a subnormal (``1e-8`` in float16). Overflow is not counted:
-    huge fill values saturate (see ``_values.saturating_cast``).
+    huge fill values saturate (see ``_values.saturate_finite``).
     """
     array = _concrete(value)
     if array is None or array.size == 0:

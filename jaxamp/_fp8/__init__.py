@@ -2,16 +2,19 @@
 
 from jaxamp._fp8._matmul import FP8_PRIMITIVES, fp8_matmul, fp8_operands
 from jaxamp._fp8._native import uses_native
-from jaxamp._fp8._recipe import FP8_PRESET, GEMMS, SCALINGS, Float8Recipe, as_recipe
+from jaxamp._fp8._recipe import FP8_PRESET, GEMMS, Float8Recipe
+from jaxamp._fp8._scalings import SCALINGS, SCOPE_PREFIX, Scaling, scaling_of_scope
 
 __all__ = [
     "FP8_PRESET",
     "FP8_PRIMITIVES",
     "GEMMS",
     "SCALINGS",
+    "SCOPE_PREFIX",
     "Float8Recipe",
-    "as_recipe",
+    "Scaling",
     "fp8_matmul",
     "fp8_operands",
+    "scaling_of_scope",
     "uses_native",
 ]

@@ -20,17 +20,19 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
+from jaxamp._engine._contractions import dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
 from jaxamp._fp8._recipe import Float8Recipe
+from jaxamp._fp8._scalings import SCOPE_PREFIX
+from jaxamp._fp8._scalings import scope_name as _scope_name
 
 __all__ = ["FP8_PRIMITIVES", "SCOPE_PREFIX", "fp8_matmul", "fp8_operands", "scope_name"]
 
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
-SCOPE_PREFIX = "fp8_"
-_F32 = np.dtype(np.float32)
 
 
 def _to_canonical(x, batch, free, contract):
@@ -49,9 +51,7 @@ def _spans(batch, free, contract):
 
 def scope_name(recipe: Float8Recipe, scaling: str | None = None) -> str:
     """The name scope of an FP8 product: precision_report reads the recipe from it."""
-    return (
-        f"{SCOPE_PREFIX}{scaling or recipe.scaling}{'_pow2' if recipe.power_of_two_scale else ''}"
-    )
+    return _scope_name(scaling or recipe.scaling, recipe.power_of_two_scale)
 
 
 def _product(recipe: Float8Recipe, a, a_dtype, a_kind, b, b_dtype, b_kind, out_dtype):
@@ -83,8 +83,8 @@ def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str]) -> Callable:
     def bwd(residuals, g):
         a, b = residuals
         # da[B, P, C] = g[B, P, Q] . b over Q;  db[B, Q, C] = g^T[B, Q, P] . a over P.
-        da = _product(recipe, g, grad_dtype, "grad", _t(b), fwd_dtype, b_kind, _F32)
-        db = _product(recipe, _t(g), grad_dtype, "grad", _t(a), fwd_dtype, a_kind, _F32)
+        da = _product(recipe, g, grad_dtype, "grad", _t(b), fwd_dtype, b_kind, F32)
+        db = _product(recipe, _t(g), grad_dtype, "grad", _t(a), fwd_dtype, a_kind, F32)
         return da.astype(a.dtype), db.astype(b.dtype)
 
     matmul.defvjp(fwd, bwd)
@@ -96,9 +96,7 @@ def _t(x):
 
 
 def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool):
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lf = [d for d in range(x.ndim) if d not in (*lc, *lb)]
-    rf = [d for d in range(w.ndim) if d not in (*rc, *rb)]
+    lb, lf, lc, rb, rf, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
     out_shape = (
         *(x.shape[d] for d in lb),
         *(x.shape[d] for d in lf),
@@ -123,7 +121,7 @@ def _eval_fp8_pullback(closed: jex.ClosedJaxpr, args: list, widen: np.dtype) -> 
         if eqn.primitive.name == "conv_general_dilated":
             if ins[0].dtype != ins[1].dtype:
                 ins = [jax.lax.convert_element_type(v, widen) for v in ins]
-            params = {**eqn.params, "preferred_element_type": _F32}
+            params = {**eqn.params, "preferred_element_type": F32}
             return [eqn.primitive.bind(*ins, **params)]
         return compat.bind_eqn(eqn, ins)
 
@@ -138,7 +136,7 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
         recipe.compute_dtype,
     )
     tensorwise, pow2 = groups_for("tensorwise", "act"), recipe.exact_scales
-    f32_params = {**params, "preferred_element_type": _F32}
+    f32_params = {**params, "preferred_element_type": F32}
 
     def q(v, dtype):
         quantized, inverse = quantize(v.reshape(1, 1, -1), dtype, tensorwise, pow2)
@@ -164,7 +162,7 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
             (dw,) = jax.linear_transpose(lambda b: prim.bind(x, b, **f32_params), w)(g)
             return dx, dw
 
-        avals = [jax.ShapeDtypeStruct(v.shape, _F32) for v in (x, w, g)]
+        avals = [jax.ShapeDtypeStruct(v.shape, F32) for v in (x, w, g)]
         closed = jax.make_jaxpr(pullback)(*avals)
         with jax.named_scope(scope):
             dx, dw = _eval_fp8_pullback(closed, [qx, qw, qg], out_dtype)

@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
-from jaxamp._fp8._quantize import MX_BLOCK
 from jaxamp._fp8._recipe import Float8Recipe
+from jaxamp._fp8._scalings import MX_BLOCK, SCALINGS
 
 __all__ = ["NATIVE_MIN_CAPABILITY", "native_lowers", "native_product", "platform", "uses_native"]
 
-_F32 = np.dtype(np.float32)
 # cuDNN's MXFP8 GEMM needs the block-scaled Tensor Cores of Blackwell (sm_100).
 NATIVE_MIN_CAPABILITY = 10.0
 
@@ -62,7 +62,7 @@ def native_lowers(backend: str) -> bool:
 
 def uses_native(recipe: Float8Recipe) -> bool:
     """Whether ``recipe``'s products run as ``jax.nn.scaled_matmul`` (decided when traced)."""
-    if recipe.scaling != "mxfp8" or recipe.gemm == "emulated":
+    if not SCALINGS[recipe.scaling].native or recipe.gemm == "emulated":
         return False
     backend, capability = platform()
     if recipe.gemm == "auto":
@@ -99,6 +99,6 @@ def native_product(
         _whole_blocks(qb),
         inv_a.astype(e8m0),
         inv_b.astype(e8m0),
-        preferred_element_type=_F32,
+        preferred_element_type=F32,
     )
     return compat.vary_like(out, qa, qb).astype(out_dtype)

@@ -9,40 +9,30 @@ and its inverse scales ``[B, P, KB]`` broadcast over the block.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxamp._casting import F32
+from jaxamp._fp8._scalings import KINDS, Groups, scaling_named
+
 __all__ = ["Groups", "groups_for", "quantize", "scale_from_amax", "scaled_product"]
 
-_F32 = np.dtype(np.float32)
 # Scales are kept within [2**-126, 2**126] so that a scale and its inverse are
 # normal float32 numbers (XLA:CPU flushes float32 subnormals to zero).
 _MAX_EXP = 126
-BLOCK = 128  # blockwise: 1x128 activation/gradient tiles, 128x128 weight tiles
-MX_BLOCK = 32  # mxfp8: 32 values along the contracting dim share an E8M0 scale
-
-
-class Groups(NamedTuple):
-    """Which values share a scale: ``rows`` (None: all) x ``block`` along C (None: all)."""
-
-    whole_batch: bool
-    rows: int | None
-    block: int | None
 
 
 def groups_for(scaling: str, kind: str) -> Groups:
-    """The scaling groups of an operand of ``kind`` ("act", "weight" or "grad")."""
-    if scaling == "tensorwise":
-        return Groups(True, None, None)
-    if scaling == "rowwise":
-        return Groups(False, 1, None)
-    if scaling == "blockwise":
-        return Groups(False, BLOCK if kind == "weight" else 1, BLOCK)
-    return Groups(False, 1, MX_BLOCK)  # mxfp8
+    """The scaling groups of an operand of ``kind`` ("act", "weight" or "grad").
+
+    Raises:
+      ValueError: a scaling that is not in ``_scalings.SCALINGS``, or another kind.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"operand kind must be one of {KINDS}; got {kind!r}.")
+    return scaling_named(scaling).groups[kind]
 
 
 def fp8_max(dtype: np.dtype) -> float:
@@ -56,7 +46,7 @@ def scale_from_amax(amax: jax.Array, dtype: np.dtype, power_of_two: bool) -> jax
     from the binary exponents (``frexp``/``ldexp``): ``2**floor(log2(max / amax))``,
     the E8M0 scale of the MX formats that never saturates.
     """
-    amax = amax.astype(_F32)
+    amax = amax.astype(F32)
     top = fp8_max(dtype)
     if power_of_two:
         mantissa, exponent = jnp.frexp(amax)
@@ -97,7 +87,7 @@ def quantize(
     padded (zeros add nothing to the product), ``P`` is sliced back. A ``C``
     shorter than a block is one block, unpadded.
     """
-    x = x.astype(_F32)
+    x = x.astype(F32)
     b, p, c = x.shape
     block = min(groups.block or c, c)
     x = _pad_to(x, 2, block)
@@ -125,12 +115,12 @@ def scaled_product(
     nblocks = qa.shape[2]
     if nblocks == 1:
         out = jax.lax.dot_general(
-            qa[:, :, 0], qb[:, :, 0], (((2,), (2,)), ((0,), (0,))), preferred_element_type=_F32
+            qa[:, :, 0], qb[:, :, 0], (((2,), (2,)), ((0,), (0,))), preferred_element_type=F32
         )
         out = out * inv_a * jnp.swapaxes(inv_b, 1, 2)
     else:
         partial = jax.lax.dot_general(
-            qa, qb, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=_F32
+            qa, qb, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=F32
         )  # [B, KB, P, Q]
         a_scale = jnp.transpose(inv_a, (0, 2, 1))[..., None]
         b_scale = jnp.transpose(inv_b, (0, 2, 1))[:, :, None, :]

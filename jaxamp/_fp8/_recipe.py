@@ -8,11 +8,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._fp8._scalings import SCALINGS, native_scaling
 from jaxamp._policy import Policy
 
-__all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe", "as_recipe"]
+__all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe"]
 
-SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 # How an mxfp8 product runs: "native" is jax.nn.scaled_matmul (cuDNN's MXFP8 GEMM
 # on Blackwell), "emulated" the float8 dot_general per block, "auto" picks (_native.py).
 GEMMS = ("auto", "native", "emulated")
@@ -64,10 +64,10 @@ def _check_gemm(gemm: Any, scaling: str) -> None:
         raise ValueError(
             f"Float8Recipe(gemm=...) must be one of {', '.join(map(repr, GEMMS))}; got {gemm!r}."
         )
-    if gemm == "native" and scaling != "mxfp8":
+    if gemm == "native" and not SCALINGS[scaling].native:
         raise ValueError(
-            f"Float8Recipe(gemm='native') needs scaling='mxfp8' (the one scaling with a "
-            f"native block-scaled GEMM in JAX); got scaling={scaling!r}. Leave gemm='auto'."
+            f"Float8Recipe(gemm='native') needs scaling={native_scaling()!r} (the one scaling "
+            f"with a native block-scaled GEMM in JAX); got scaling={scaling!r}. Leave gemm='auto'."
         )
 
 
@@ -93,7 +93,8 @@ class Float8Recipe:
         tiles of weights, along the contracting dimension (DeepSeek-V3).
         ``"mxfp8"``: blocks of 32 along the contracting dimension with
         power-of-two scales (OCP MX, NVIDIA Blackwell). Convolutions are
-        quantized tensorwise under every recipe.
+        quantized tensorwise under every recipe. The scalings are the table
+        ``SCALINGS`` in ``jaxamp/_fp8/_scalings.py``.
       forward_dtype: the format of activations and weights.
       gradient_dtype: the format of the incoming gradients of the backward
         matmuls (e5m2's range by default, as Transformer Engine's HYBRID).
@@ -166,7 +167,9 @@ class Float8Recipe:
         )
 
     def __str__(self) -> str:
-        pow2 = ",pow2" if self.power_of_two_scale and self.scaling != "mxfp8" else ""
+        pow2 = (
+            ",pow2" if self.power_of_two_scale and not SCALINGS[self.scaling].exact_scales else ""
+        )
         gemm = f",{self.gemm}" if self.gemm != "auto" else ""
         return f"fp8:{self.scaling}{pow2}{gemm}"
 
@@ -177,14 +180,6 @@ class Float8Recipe:
 
     @property
     def exact_scales(self) -> bool:
-        """Whether scales are powers of two (``power_of_two_scale`` or ``"mxfp8"``)."""
-        return self.power_of_two_scale or self.scaling == "mxfp8"
-
-
-def as_recipe(spec: Any) -> Float8Recipe | None:
-    """The recipe ``spec`` names (a Float8Recipe or ``"mixed_float8"``), else None."""
-    if isinstance(spec, Float8Recipe):
-        return spec
-    if isinstance(spec, str) and spec.strip().lower() == FP8_PRESET:
-        return Float8Recipe()
-    return None
+        """Whether scales are powers of two (``power_of_two_scale``, or a scaling such as
+        ``"mxfp8"`` whose scales always are)."""
+        return self.power_of_two_scale or SCALINGS[self.scaling].exact_scales

@@ -15,13 +15,12 @@ from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
 from jaxamp._engine._trace import is_array
-from jaxamp._fp8 import as_recipe
 from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
 from jaxamp._numerics._instrument import all_finite_flag, instrumented
 from jaxamp._numerics._sites import catalog
 from jaxamp._numerics._summary import summarise
 from jaxamp._numerics._types import NumericsReport
-from jaxamp._policy import get_policy
+from jaxamp._resolve import resolved_spec
 
 __all__ = ["numerics_report", "prepare"]
 
@@ -54,7 +53,8 @@ def numerics_report(
         are traced; other leaves are static.
       *args: its positional arguments.
       policy: ``None`` runs ``fun`` as written (a Flax model with layer dtypes, a
-        hand-cast model); anything :func:`jaxamp.get_policy` accepts runs it under
+        hand-cast model); anything :func:`jaxamp.autocast` accepts (a policy, a
+        ``jaxamp.Float8Recipe``, ``"mixed_float8"``) runs it under
         ``jaxamp.autocast(fun, policy)``.
       grad: ``True``: ``fun`` returns a scalar loss, and the report also covers its
         gradient with respect to the floating arrays of the first argument, with the
@@ -96,7 +96,7 @@ def prepare(
     """
     check_options(fun, has_aux)
     scale = _check_loss_scale(loss_scale, grad)
-    resolved = None if policy is None else (as_recipe(policy) or get_policy(policy))
+    resolved = None if policy is None else resolved_spec(policy)
     traced = TracedCall(fun, args, kwargs, resolved, grad, has_aux)
     inputs = traced.inputs(jnp.asarray(scale, jnp.float32))
     key = cache_key(fun, resolved, grad, has_aux, traced.treedef, traced.static, traced.dynamic)

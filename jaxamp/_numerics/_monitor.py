@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxamp._numerics._api import TracedCall, check_options, finish_report, measuring
 from jaxamp._numerics._compiled import Compiled
 from jaxamp._numerics._types import NumericsReport
-from jaxamp._policy import get_policy
+from jaxamp._resolve import resolved_spec
 
 __all__ = ["numerics_monitor"]
 
@@ -70,7 +70,7 @@ def numerics_monitor(
         raise ValueError(f"every must be a positive int (steps between reports); got {every!r}.")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None; got {callback!r}.")
-    resolved = get_policy(policy) if policy is not None else None
+    resolved = resolved_spec(policy) if policy is not None else None
     report_to = callback if callback is not None else _print_report
 
     def monitor(step: Any, *args: Any, loss_scale: Any = None, **kwargs: Any) -> None:

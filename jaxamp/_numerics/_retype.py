@@ -31,7 +31,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import widen
+from jaxamp._casting import is_narrow, widen
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 
@@ -66,14 +66,6 @@ class NoTwin(Exception):
     """The equation has no float32 twin (its shadow restarts from the real value)."""
 
 
-def is_narrow_dtype(value: Any) -> bool:
-    try:
-        dtype = np.dtype(value)
-    except (TypeError, ValueError):
-        return False
-    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
-
-
 def twin_params(eqn: jex.JaxprEqn) -> tuple[dict, bool]:
     """``(params, risky)``: ``eqn``'s parameters for float32 operands.
 
@@ -82,7 +74,7 @@ def twin_params(eqn: jex.JaxprEqn) -> tuple[dict, bool]:
     """
     params, risky = {}, False
     for name, value in eqn.params.items():
-        if name in DTYPE_PARAMS and is_narrow_dtype(value):
+        if name in DTYPE_PARAMS and is_narrow(value):
             value = jnp.float32
         elif name == "precision" and isinstance(value, jax.lax.DotAlgorithmPreset):
             value, risky = None, True
@@ -93,7 +85,7 @@ def twin_params(eqn: jex.JaxprEqn) -> tuple[dict, bool]:
 
 
 def _wide_aval(aval: Any) -> jax.ShapeDtypeStruct:
-    dtype = jnp.float32 if is_narrow_dtype(aval.dtype) else aval.dtype
+    dtype = jnp.float32 if is_narrow(aval.dtype) else aval.dtype
     return jax.ShapeDtypeStruct(aval.shape, dtype)
 
 
@@ -105,7 +97,7 @@ def _apply_twin(eqn: jex.JaxprEqn, ins: list[Any]) -> list[Any]:
 def _retyped(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> jex.Jaxpr | jex.ClosedJaxpr:
     """``jaxpr`` traced again with its 16-bit floating inputs (and literals) as float32."""
     closed = compat.as_closed(jaxpr)
-    if not any(is_narrow_dtype(getattr(v.aval, "dtype", None)) for v in closed.jaxpr.invars):
+    if not any(is_narrow(getattr(v.aval, "dtype", None)) for v in closed.jaxpr.invars):
         return jaxpr
     avals = [_wide_aval(v.aval) for v in closed.jaxpr.invars]
 

@@ -13,11 +13,15 @@ from flax.training import train_state
 
 from jaxamp._casting import cast_floating
 from jaxamp._checks import check_transformation
-from jaxamp._loss_scaling._finite import select
-from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
-from jaxamp._loss_scaling._state import get_loss_scale, loss_scaling_state, loss_scaling_states
-from jaxamp._loss_scaling._transform import loss_scaling
-from jaxamp._policy import get_policy
+from jaxamp._loss_scaling import (
+    get_loss_scale,
+    loss_scaling,
+    loss_scaling_state,
+    loss_scaling_states,
+    scaled_value_and_grad,
+    select,
+)
+from jaxamp._resolve import resolve
 from jaxamp.flax._overrides import normalize_overrides, policy_for
 
 __all__ = ["LossScaledTrainState", "linen_policy"]
@@ -107,7 +111,9 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Any] | None = None) -> Ite
     or outside ``jax.jit``).
 
     Args:
-      policy: anything :func:`jaxamp.get_policy` accepts.
+      policy: anything :func:`jaxamp.autocast` accepts; a ``jaxamp.Float8Recipe``
+        (or ``"mixed_float8"``) sets its 16-bit policy (``Float8Recipe.policy``):
+        FP8 matmuls come from ``jaxamp.autocast``.
       overrides: ``{module class or path: policy}``, e.g. ``{nn.LayerNorm: "float32"}``.
 
     >>> import jax, jax.numpy as jnp, jaxamp
@@ -120,7 +126,7 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Any] | None = None) -> Ite
     >>> y.dtype, variables["params"]["layers_0"]["kernel"].dtype
     (dtype('float32'), dtype('float32'))
     """
-    default = get_policy(policy)
+    default, _ = resolve(policy)  # a Float8Recipe: its 16-bit policy
     pairs = normalize_overrides(overrides)
 
     def interceptor(next_fun, args, kwargs, context):

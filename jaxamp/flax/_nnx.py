@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._casting import cast_floating
-from jaxamp._policy import get_policy
+from jaxamp._resolve import resolve
 from jaxamp.flax._overrides import normalize_overrides, policy_for
 
 __all__ = ["set_policy"]
@@ -31,7 +31,9 @@ def set_policy(
 
     Args:
       model: an ``nnx.Module``; modified in place and returned.
-      policy: anything :func:`jaxamp.get_policy` accepts, e.g. ``"mixed_bfloat16"``.
+      policy: anything :func:`jaxamp.autocast` accepts, e.g. ``"mixed_bfloat16"``;
+        a ``jaxamp.Float8Recipe`` (or ``"mixed_float8"``) sets its 16-bit policy
+        (``Float8Recipe.policy``): FP8 matmuls come from ``jaxamp.autocast``.
       overrides: ``{module class or path: policy}``, e.g.
         ``{nnx.LayerNorm: "float32", "head": "float32"}``.
 
@@ -50,7 +52,7 @@ def set_policy(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}: {model!r}.")
-    default = get_policy(policy)
+    default, _ = resolve(policy)  # a Float8Recipe: its 16-bit policy
     pairs = normalize_overrides(overrides)
     for path, module in nnx.iter_modules(model):
         if not hasattr(module, "dtype"):

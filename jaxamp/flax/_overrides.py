@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxamp._policy import Policy, get_policy
+from jaxamp._policy import Policy
+from jaxamp._resolve import resolve
 
 
 def normalize_overrides(overrides: Mapping[Any, Any] | None) -> list[tuple[Any, Policy]]:
@@ -18,7 +19,8 @@ def normalize_overrides(overrides: Mapping[Any, Any] | None) -> list[tuple[Any, 
 
     Keys are module classes (matched with ``isinstance``) or path strings such
     as ``"head"`` or ``"blocks/0/norm"`` (matching that module and everything
-    inside it); values are anything :func:`jaxamp.get_policy` accepts.
+    inside it); values are anything :func:`jaxamp.autocast` accepts (a recipe
+    stands for its 16-bit policy).
     """
     if overrides is None:
         return []
@@ -34,7 +36,7 @@ def normalize_overrides(overrides: Mapping[Any, Any] | None) -> list[tuple[Any, 
                 "overrides keys must be module classes or non-empty path strings such as "
                 f"'head'; got {type(key).__name__}: {key!r}."
             )
-        pairs.append((key, get_policy(spec)))
+        pairs.append((key, resolve(spec)[0]))
     return pairs
 
 

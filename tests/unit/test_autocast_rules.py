@@ -171,3 +171,30 @@ def test_per_call_rules_override_and_callable():
     out = jaxamp.autocast(f, rules={"tanh": double_tanh})(w0, x0)
     assert calls == [jnp.bfloat16]
     assert_close(out, 2.0 * f(w0, x0))
+
+
+def test_recurse_names_exactly_the_primitives_with_a_built_in_rule():
+    from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
+
+    recurse = {name for name, kind in jaxamp.AUTOCAST_RULES.items() if kind == "recurse"}
+    assert recurse == set(HIGHER_ORDER_RULES)
+    assert set(compat.CALL_NAMES) <= recurse  # "call"/"closed_call", jax 0.12's "eval_jaxpr"
+
+
+def test_the_call_primitive_of_this_jax_is_evaluated_inline():
+    # closed_call_p is "closed_call" up to jax 0.11 and "eval_jaxpr" from 0.12.
+    from jax.extend.core.primitives import closed_call_p
+
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    body = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(w, x)
+
+    params = closed_call_p.get_bind_params({"call_jaxpr": body})  # jax 0.10: its subfuns
+
+    def f(w, x):
+        return closed_call_p.bind(w, x, **params)[0]
+
+    assert closed_call_p.name in {e.primitive.name for e, _ in walk(jax.make_jaxpr(f)(w, x).jaxpr)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxamp.UnknownPrimitiveWarning)
+        assert dot_dtypes(jaxamp.autocast(f), w, x) == [("bfloat16", "bfloat16")]
+        np.testing.assert_array_equal(jaxamp.autocast(f, "float32")(w, x), f(w, x))

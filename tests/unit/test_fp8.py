@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp import _fp8
 from tests import fp8_reference as ref
 
-SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+SCALINGS = tuple(_fp8.SCALINGS)
 BF16_TOL = 2.0**-8  # half a bfloat16 ulp, relative
 F32_TOL = 1e-5
 

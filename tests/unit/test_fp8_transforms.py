@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp import _fp8
 from tests import fp8_reference as ref
 from tests.helpers import bits
 
-SCALINGS = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+SCALINGS = tuple(_fp8.SCALINGS)
 
 
 def _rand(key, shape, scale=1.0):
