@@ -280,6 +280,10 @@ class CustomJvpParts(NamedTuple):
     jvp_jaxpr: Callable[[Sequence[bool]], tuple[jex.ClosedJaxpr, list[bool]]]
     name: str = "custom_jvp"  # the decorated function's name, kept when rebuilt
 
+    def split(self, ins: Sequence[Any]) -> tuple[list, list]:
+        """``(consts, args)`` of the equation's operands."""
+        return list(ins[: self.num_consts]), list(ins[self.num_consts :])
+
 
 def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
     p = eqn.params
@@ -303,6 +307,15 @@ class ScanParts(NamedTuple):
     length: int
     reverse: bool
     unroll: int | bool
+
+    def split(self, ins: Sequence[Any]) -> tuple[list, list, list]:
+        """``(consts, carry, xs)`` of the equation's operands."""
+        carry_at = self.num_consts + self.num_carry
+        return (
+            list(ins[: self.num_consts]),
+            list(ins[self.num_consts : carry_at]),
+            list(ins[carry_at:]),
+        )
 
 
 def scan_parts(eqn: jex.JaxprEqn) -> ScanParts:
@@ -333,6 +346,15 @@ class WhileParts(NamedTuple):
     body_jaxpr: jex.ClosedJaxpr
     body_nconsts: int
 
+    def split(self, ins: Sequence[Any]) -> tuple[list, list, list]:
+        """``(cond consts, body consts, carry)`` of the equation's operands."""
+        carry_at = self.cond_nconsts + self.body_nconsts
+        return (
+            list(ins[: self.cond_nconsts]),
+            list(ins[self.cond_nconsts : carry_at]),
+            list(ins[carry_at:]),
+        )
+
 
 def while_parts(eqn: jex.JaxprEqn) -> WhileParts:
     p = eqn.params
@@ -349,6 +371,10 @@ class CondParts(NamedTuple):
     # For lax.platform_dependent: the platforms of each branch (None: the default
     # branch), or None for an ordinary cond.
     platforms: tuple | None
+
+    def split(self, ins: Sequence[Any]) -> tuple[Any, list]:
+        """``(branch index, operands)`` of the equation's operands."""
+        return ins[0], list(ins[1:])
 
 
 def cond_parts(eqn: jex.JaxprEqn) -> CondParts:

@@ -26,8 +26,9 @@ import numpy as np
 
 from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
+from jaxamp._engine import _control as control
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._engine._visit import structured_rules, sub_path
+from jaxamp._engine._visit import sub_path
 from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
 from jaxamp._numerics._sites import Site, site_key
 
@@ -272,8 +273,8 @@ def _unmeasured(eqn, key) -> RuntimeError:
     )
 
 
-def _run_inline(rec: Recorder, eqn, ins, path, index):
-    return rec.run(compat.inline_body(eqn), ins, sub_path(path, index))
+def _run_call(rec: Recorder, eqn, ins, path, index):
+    return rec.run(control.call_of(eqn).body, ins, sub_path(path, index))
 
 
 def _vals(values: Sequence[Any], shadows: Sequence[Any]) -> list[Val]:
@@ -288,80 +289,52 @@ def _shadows(vals: Sequence[Val]) -> list[Any]:
     return [materialize(v) for v in vals]
 
 
-def _handle_scan(rec: Recorder, eqn, ins, path, index):
-    p = compat.scan_parts(eqn)
+def _handle_loop(rec: Recorder, eqn, ins, path, index):
+    loop = control.loop_of(eqn, ins)
     body_path = sub_path(path, index)
     keys = rec.keys_under(body_path)
-    consts = ins[: p.num_consts]
-    init = ins[p.num_consts : p.num_consts + p.num_carry]
 
     def body(carry, xs):
         values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
-        args = [*consts, *_vals(values, shadows), *_vals(*xs)]
-        outs = sub.run(p.jaxpr, args, body_path)
-        carried, ys = outs[: p.num_carry], outs[p.num_carry :]
+        args = [*loop.consts, *_vals(values, shadows), *_vals(*xs)]
+        outs = sub.run(loop.body, args, body_path)
+        carried, ys = outs[: loop.n_carry], outs[loop.n_carry :]
         new = (_values(carried), _shadows(carried), sub.pack(keys), sub.clock, iteration + 1)
         return new, (_values(ys), _shadows(ys))
 
-    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
-    xs = ins[p.num_consts + p.num_carry :]
-    (values, shadows, packed, clock, _), ys = jax.lax.scan(
-        body,
-        carry0,
-        (_values(xs), _shadows(xs)),
-        length=p.length,
-        reverse=p.reverse,
-        unroll=p.unroll,
-    )
+    def cond(carry):
+        # The loop condition runs as written (not measured): it decides, it does not compute.
+        args = [*_values(loop.cond_consts), *carry[0]]
+        return eval_jaxpr(loop.cond, args, compat.bind_eqn)[0]
+
+    carry0 = (_values(loop.carry), _shadows(loop.carry), rec.pack(keys), rec.clock, jnp.int32(0))
+    xs = (_values(loop.xs), _shadows(loop.xs))
+    (values, shadows, packed, clock, _), ys = loop.rebuild(body, carry0, xs, cond)
     rec.unpack(keys, packed)
     rec.clock = clock
     return [*_vals(values, shadows), *_vals(*ys)]
 
 
-def _handle_while(rec: Recorder, eqn, ins, path, index):
-    p = compat.while_parts(eqn)
-    body_path = sub_path(path, index)
-    keys = rec.keys_under(body_path)
-    cond_consts = _values(ins[: p.cond_nconsts])
-    body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
-    init = ins[p.cond_nconsts + p.body_nconsts :]
-
-    def cond_fun(carry):
-        # The loop condition runs as written (not measured): it decides, it does not compute.
-        return eval_jaxpr(p.cond_jaxpr, [*cond_consts, *carry[0]], compat.bind_eqn)[0]
-
-    def body_fun(carry):
-        values, shadows, packed, clock, iteration = carry
-        sub = rec.child(keys, packed, clock, iteration)
-        outs = sub.run(p.body_jaxpr, [*body_consts, *_vals(values, shadows)], body_path)
-        return _values(outs), _shadows(outs), sub.pack(keys), sub.clock, iteration + 1
-
-    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
-    values, shadows, packed, clock, _ = jax.lax.while_loop(cond_fun, body_fun, carry0)
-    rec.unpack(keys, packed)
-    rec.clock = clock
-    return _vals(values, shadows)
-
-
 def _handle_cond(rec: Recorder, eqn, ins, path, index):
-    branches = compat.cond_parts(eqn).branches
-    keys = [key for b in range(len(branches)) for key in rec.keys_under(sub_path(path, index, b))]
+    branch = control.branch_of(eqn, ins)
+    paths = [sub_path(path, index, b) for b in range(len(branch.branches))]
+    keys = [key for body_path in paths for key in rec.keys_under(body_path)]
 
-    def make(b, branch):
+    def make(body, body_path):
         def fun(packed, clock, values, flags, shadows):
             sub = rec.child(keys, packed, clock, rec.iteration)
             args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
-            outs = sub.run(branch, args, sub_path(path, index, b))
+            outs = sub.run(body, args, body_path)
             flags = [v.finite for v in outs]
             return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
 
         return fun
 
-    operands = ins[1:]
-    values, flags, shadows, packed, clock = jax.lax.switch(
-        ins[0].value,
-        [make(b, branch) for b, branch in enumerate(branches)],
+    operands = branch.operands
+    values, flags, shadows, packed, clock = branch.rebuild(
+        branch.index.value,
+        [make(body, body_path) for body, body_path in zip(branch.branches, paths, strict=True)],
         rec.pack(keys),
         rec.clock,
         _values(operands),
@@ -375,8 +348,8 @@ def _handle_cond(rec: Recorder, eqn, ins, path, index):
 
 # Primitive name -> rule for the equations whose sub-jaxprs are measured inside;
 # every other equation is measured as one op (``Recorder.measure``).
-_RULES: dict[str, Callable] = structured_rules(
-    inline=_run_inline, scan=_handle_scan, while_=_handle_while, cond=_handle_cond
+_RULES: dict[str, Callable] = control.structured_rules(
+    call=_run_call, loop=_handle_loop, branch=_handle_cond
 )
 
 
