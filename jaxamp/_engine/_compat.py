@@ -38,7 +38,6 @@ __all__ = [
     "bind_eqn",
     "call_jaxpr",
     "cond_parts",
-    "custom_call_jaxpr",
     "custom_jvp_parts",
     "eqn_has_subjaxprs",
     "equation_context",
@@ -236,13 +235,8 @@ def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
 
 
 def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    """The body of a call primitive, or the primal function of a custom_jvp/custom_vjp call."""
     return as_closed(eqn.params["call_jaxpr"])
-
-
-def custom_call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
-    """The primal function of a custom_jvp/custom_vjp call (its operands are the eqn's)."""
-    p = eqn.params
-    return as_closed(p["call_jaxpr"])
 
 
 def inline_body(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
@@ -254,12 +248,10 @@ def inline_body(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
     name = eqn.primitive.name
     if name in JIT_NAMES:
         return jit_parts(eqn).jaxpr
-    if name in CALL_NAMES:
+    if name in CALL_NAMES or name in CUSTOM_CALL_NAMES:
         return call_jaxpr(eqn)
     if name in REMAT_NAMES:
         return remat_parts(eqn).jaxpr
-    if name in CUSTOM_CALL_NAMES:
-        return custom_call_jaxpr(eqn)
     raise ValueError(f"{name!r} is not a call-like primitive ({', '.join(INLINE_NAMES)}).")
 
 
@@ -282,7 +274,7 @@ class CustomJvpParts(NamedTuple):
 
     def split(self, ins: Sequence[Any]) -> tuple[list, list]:
         """``(consts, args)`` of the equation's operands."""
-        return list(ins[: self.num_consts]), list(ins[self.num_consts :])
+        return _split_at(ins, self.num_consts)
 
 
 def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
@@ -300,6 +292,15 @@ def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
     return CustomJvpParts(call, int(p["num_consts"]), jvp_jaxpr, name)
 
 
+def _split_at(ins: Sequence[Any], *counts: int) -> tuple[list, ...]:
+    """``ins`` cut into runs of ``counts`` operands, then the rest."""
+    runs, at = [], 0
+    for n in counts:
+        runs.append(list(ins[at : at + n]))
+        at += n
+    return (*runs, list(ins[at:]))
+
+
 class ScanParts(NamedTuple):
     jaxpr: jex.ClosedJaxpr
     num_consts: int
@@ -310,12 +311,7 @@ class ScanParts(NamedTuple):
 
     def split(self, ins: Sequence[Any]) -> tuple[list, list, list]:
         """``(consts, carry, xs)`` of the equation's operands."""
-        carry_at = self.num_consts + self.num_carry
-        return (
-            list(ins[: self.num_consts]),
-            list(ins[self.num_consts : carry_at]),
-            list(ins[carry_at:]),
-        )
+        return _split_at(ins, self.num_consts, self.num_carry)
 
 
 def scan_parts(eqn: jex.JaxprEqn) -> ScanParts:
@@ -348,12 +344,7 @@ class WhileParts(NamedTuple):
 
     def split(self, ins: Sequence[Any]) -> tuple[list, list, list]:
         """``(cond consts, body consts, carry)`` of the equation's operands."""
-        carry_at = self.cond_nconsts + self.body_nconsts
-        return (
-            list(ins[: self.cond_nconsts]),
-            list(ins[self.cond_nconsts : carry_at]),
-            list(ins[carry_at:]),
-        )
+        return _split_at(ins, self.cond_nconsts, self.body_nconsts)
 
 
 def while_parts(eqn: jex.JaxprEqn) -> WhileParts:

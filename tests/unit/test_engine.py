@@ -13,8 +13,8 @@ import jaxamp
 from jaxamp._autocast import _caster, _dispatch
 from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
 from jaxamp._engine import _compat as compat
-from jaxamp._engine._trace import flatten_call, trace
 from jaxamp._engine import _control as control
+from jaxamp._engine._trace import flatten_call, trace
 from jaxamp._engine._visit import sub_path, walk
 from jaxamp._numerics._instrument import instrumented
 from jaxamp._numerics._sites import catalog, site_key
@@ -38,8 +38,9 @@ def test_flatten_call_traces_array_leaves_and_keeps_the_rest_static():
         return tree["a"] * scale + tree["b"]
 
     args = ({"a": jnp.ones(2), "b": np.ones(2, np.float32)}, 2)
-    call, arrays = flatten_call(f, args, {"name": "n"})
-    assert len(arrays) == 2
+    call, arrays, _, static, paths = flatten_call(f, args, {"name": "n"})
+    assert len(arrays) == 2 and static == [2, "n"]
+    assert [jax.tree_util.keystr(p) for p in paths] == ["[0][0]['a']", "[0][0]['b']"]
     np.testing.assert_array_equal(call(*arrays), f(*args, name="n"))
     traced = trace(f, args, {"name": "n"})
     assert len(traced.closed.jaxpr.invars) == 2
