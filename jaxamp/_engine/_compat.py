@@ -43,7 +43,6 @@ __all__ = [
     "equation_context",
     "float0_zeros",
     "hi_primitive_expansion",
-    "inline_body",
     "is_float0",
     "jit_parts",
     "literal_value",
@@ -237,22 +236,6 @@ def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
 def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
     """The body of a call primitive, or the primal function of a custom_jvp/custom_vjp call."""
     return as_closed(eqn.params["call_jaxpr"])
-
-
-def inline_body(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
-    """The body of a call-like equation (a primitive in ``INLINE_NAMES``).
-
-    It takes the equation's operands and returns its outputs (for custom_jvp and
-    custom_vjp: the primal function; their derivative rules are not part of it).
-    """
-    name = eqn.primitive.name
-    if name in JIT_NAMES:
-        return jit_parts(eqn).jaxpr
-    if name in CALL_NAMES or name in CUSTOM_CALL_NAMES:
-        return call_jaxpr(eqn)
-    if name in REMAT_NAMES:
-        return remat_parts(eqn).jaxpr
-    raise ValueError(f"{name!r} is not a call-like primitive ({', '.join(INLINE_NAMES)}).")
 
 
 def source_frames(eqn: jex.JaxprEqn) -> list[tuple[str, int]]:

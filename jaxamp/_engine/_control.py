@@ -90,7 +90,10 @@ def call_of(eqn: jex.JaxprEqn) -> Call:
             jax.checkpoint, prevent_cse=remat.prevent_cse, policy=remat.policy
         )
         return Call(remat.jaxpr, rebuild, None, remat.policy)
-    return Call(compat.inline_body(eqn), None)
+    if name in compat.CALL_NAMES or name in compat.CUSTOM_CALL_NAMES:
+        # For custom_jvp and custom_vjp: the primal function; their rules are not part of it.
+        return Call(compat.call_jaxpr(eqn), None)
+    raise ValueError(f"{name!r} is not a call-like primitive ({', '.join(CALL_NAMES)}).")
 
 
 def _scan(parts: compat.ScanParts, body, init, xs, cond=None):

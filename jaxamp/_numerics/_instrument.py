@@ -6,8 +6,10 @@ finite, shadow)``: ``finite`` is a traced bool saying the array holds no inf/NaN
 (so an equation knows whether its inputs were finite without measuring them
 again) and ``shadow`` the value in float32 arithmetic (``_shadow``). Each
 first-order equation runs as written (``compat.bind_eqn``), its shadow next to
-it, and each floating output updates its site's statistics, which are traced
-scalars: the whole instrumented program runs under one ``jax.jit``.
+it, and each floating output updates its site's statistics (the table
+``_stats.STATISTICS``), which are traced scalars: the whole instrumented program
+runs under one ``jax.jit``. Sub-jaxprs are entered through the engine's skeleton
+(``_engine._control.structured_rules``), as the catalog (``_sites``) enters them.
 
 Loops carry the statistics of the sites in their body (packed into two arrays)
 together with a clock and the iteration number, and ``cond`` passes them through

@@ -1,8 +1,8 @@
 """The static half of the numerics report: which outputs are measured, where, in which phase.
 
 ``catalog`` walks the traced program once, before anything runs, entering the
-same sub-jaxprs as the instrumented evaluation (both tables come from
-``_engine._visit.structured_rules``), and lists one ``Site`` per floating output
+same sub-jaxprs as the instrumented evaluation (both tables come from the
+engine's skeleton, ``_engine._control.structured_rules``), and lists one ``Site`` per floating output
 of every other equation. A site's key is its position (``site_key``): the path
 of ``(equation index, sub-jaxpr number)`` pairs that leads to its jaxpr
 (``_engine._visit.sub_path``), then the equation index and output index, so an
