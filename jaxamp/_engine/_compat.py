@@ -38,13 +38,11 @@ __all__ = [
     "bind_eqn",
     "call_jaxpr",
     "cond_parts",
-    "custom_call_jaxpr",
     "custom_jvp_parts",
     "eqn_has_subjaxprs",
     "equation_context",
     "float0_zeros",
     "hi_primitive_expansion",
-    "inline_body",
     "is_float0",
     "jit_parts",
     "literal_value",
@@ -236,31 +234,8 @@ def jit_parts(eqn: jex.JaxprEqn) -> JitParts:
 
 
 def call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
+    """The body of a call primitive, or the primal function of a custom_jvp/custom_vjp call."""
     return as_closed(eqn.params["call_jaxpr"])
-
-
-def custom_call_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
-    """The primal function of a custom_jvp/custom_vjp call (its operands are the eqn's)."""
-    p = eqn.params
-    return as_closed(p["call_jaxpr"])
-
-
-def inline_body(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr:
-    """The body of a call-like equation (a primitive in ``INLINE_NAMES``).
-
-    It takes the equation's operands and returns its outputs (for custom_jvp and
-    custom_vjp: the primal function; their derivative rules are not part of it).
-    """
-    name = eqn.primitive.name
-    if name in JIT_NAMES:
-        return jit_parts(eqn).jaxpr
-    if name in CALL_NAMES:
-        return call_jaxpr(eqn)
-    if name in REMAT_NAMES:
-        return remat_parts(eqn).jaxpr
-    if name in CUSTOM_CALL_NAMES:
-        return custom_call_jaxpr(eqn)
-    raise ValueError(f"{name!r} is not a call-like primitive ({', '.join(INLINE_NAMES)}).")
 
 
 def source_frames(eqn: jex.JaxprEqn) -> list[tuple[str, int]]:
@@ -280,6 +255,10 @@ class CustomJvpParts(NamedTuple):
     jvp_jaxpr: Callable[[Sequence[bool]], tuple[jex.ClosedJaxpr, list[bool]]]
     name: str = "custom_jvp"  # the decorated function's name, kept when rebuilt
 
+    def split(self, ins: Sequence[Any]) -> tuple[list, list]:
+        """``(consts, args)`` of the equation's operands."""
+        return _split_at(ins, self.num_consts)
+
 
 def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
     p = eqn.params
@@ -296,6 +275,15 @@ def custom_jvp_parts(eqn: jex.JaxprEqn) -> CustomJvpParts:
     return CustomJvpParts(call, int(p["num_consts"]), jvp_jaxpr, name)
 
 
+def _split_at(ins: Sequence[Any], *counts: int) -> tuple[list, ...]:
+    """``ins`` cut into runs of ``counts`` operands, then the rest."""
+    runs, at = [], 0
+    for n in counts:
+        runs.append(list(ins[at : at + n]))
+        at += n
+    return (*runs, list(ins[at:]))
+
+
 class ScanParts(NamedTuple):
     jaxpr: jex.ClosedJaxpr
     num_consts: int
@@ -303,6 +291,10 @@ class ScanParts(NamedTuple):
     length: int
     reverse: bool
     unroll: int | bool
+
+    def split(self, ins: Sequence[Any]) -> tuple[list, list, list]:
+        """``(consts, carry, xs)`` of the equation's operands."""
+        return _split_at(ins, self.num_consts, self.num_carry)
 
 
 def scan_parts(eqn: jex.JaxprEqn) -> ScanParts:
@@ -333,6 +325,10 @@ class WhileParts(NamedTuple):
     body_jaxpr: jex.ClosedJaxpr
     body_nconsts: int
 
+    def split(self, ins: Sequence[Any]) -> tuple[list, list, list]:
+        """``(cond consts, body consts, carry)`` of the equation's operands."""
+        return _split_at(ins, self.cond_nconsts, self.body_nconsts)
+
 
 def while_parts(eqn: jex.JaxprEqn) -> WhileParts:
     p = eqn.params
@@ -349,6 +345,10 @@ class CondParts(NamedTuple):
     # For lax.platform_dependent: the platforms of each branch (None: the default
     # branch), or None for an ordinary cond.
     platforms: tuple | None
+
+    def split(self, ins: Sequence[Any]) -> tuple[Any, list]:
+        """``(branch index, operands)`` of the equation's operands."""
+        return ins[0], list(ins[1:])
 
 
 def cond_parts(eqn: jex.JaxprEqn) -> CondParts:

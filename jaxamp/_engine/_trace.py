@@ -34,11 +34,19 @@ class FlatCall(NamedTuple):
 
     call: Callable[..., Any]
     arrays: list[Any]
+    # What identifies the call besides the arrays' types (a cache key): the
+    # structure of ``(args, kwargs)`` and the non-array leaves.
+    treedef: Any
+    static: list[Any]
+    # The key path of each array in ``(args, kwargs)``: ``(SequenceKey(0), ...)``
+    # for ``args[0]``, ``(SequenceKey(1), DictKey(name), ...)`` for a keyword.
+    paths: list[tuple]
 
 
 def flatten_call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> FlatCall:
     """Splits a call into its array leaves and a function of them alone."""
-    leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
+    flat, treedef = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs))
+    leaves = [leaf for _, leaf in flat]
     dynamic = [is_array(leaf) for leaf in leaves]
 
     def call(*arrays: Any) -> Any:
@@ -47,7 +55,14 @@ def flatten_call(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> 
         a, k = jax.tree.unflatten(treedef, full)
         return fun(*a, **k)
 
-    return FlatCall(call, [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d])
+    pairs = list(zip(flat, dynamic, strict=True))
+    return FlatCall(
+        call,
+        [leaf for (_, leaf), d in pairs if d],
+        treedef,
+        [leaf for (_, leaf), d in pairs if not d],
+        [path for (path, _), d in pairs if d],
+    )
 
 
 class Traced(NamedTuple):
@@ -60,7 +75,7 @@ class Traced(NamedTuple):
 
 def trace(fun: Callable, args: Sequence[Any], kwargs: dict[str, Any]) -> Traced:
     """Traces ``fun(*args, **kwargs)`` with ``jax.make_jaxpr`` (its array leaves as inputs)."""
-    call, arrays = flatten_call(fun, args, kwargs)
+    call, arrays = flatten_call(fun, args, kwargs)[:2]
     out_trees: list = []
 
     def flat_call(*leaves: Any) -> list[Any]:

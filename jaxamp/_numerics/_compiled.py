@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxamp._numerics._retype import checking_every_twin
+from jaxamp._numerics._summary import summarise
+from jaxamp._numerics._types import NumericsReport
 
 __all__ = ["CACHE_SIZE", "Compiled", "cache_clear", "cache_key", "cached", "compile_with_fallback"]
 
@@ -31,9 +33,17 @@ CACHE_SIZE = 32  # programs kept (least recently used dropped first)
 
 
 class Compiled(NamedTuple):
-    run: Callable  # the compiled instrumented program
+    # The instrumented program: run(*inputs) -> (floats, ints, finite), compiled
+    # (numerics_report) or to be traced into the caller's program (numerics_monitor).
+    run: Callable
     sites: list  # its catalog (what each row of its statistics is)
     paths: list[str]  # the argument path of each array input, for naming non-finite ones
+
+    def report(self, floats, ints, finite, scale: float | None) -> NumericsReport:
+        """The report from one run's statistics (host arrays); ``scale``: the loss scale."""
+        flags = np.asarray(finite)
+        bad = tuple(p for p, ok in zip(self.paths, flags, strict=False) if not ok)
+        return summarise(self.sites, np.asarray(floats), np.asarray(ints), scale, bad)
 
 
 _CACHE: collections.OrderedDict[Hashable, Compiled] = collections.OrderedDict()
@@ -41,7 +51,9 @@ _LOCK = threading.Lock()
 
 
 def _aval_key(x: Any) -> tuple:
-    return (np.shape(x), np.dtype(x.dtype).str, bool(getattr(x, "weak_type", False)))
+    # str(dtype), not np.dtype(...).str: a typed PRNG key's dtype (key<fry>) is no
+    # NumPy dtype, and the extended float types share one ('<V1' for every float8).
+    return (np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False)))
 
 
 def cache_key(fun, policy, grad, has_aux, treedef, static, dynamic) -> Hashable | None:

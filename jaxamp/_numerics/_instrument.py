@@ -6,8 +6,10 @@ finite, shadow)``: ``finite`` is a traced bool saying the array holds no inf/NaN
 (so an equation knows whether its inputs were finite without measuring them
 again) and ``shadow`` the value in float32 arithmetic (``_shadow``). Each
 first-order equation runs as written (``compat.bind_eqn``), its shadow next to
-it, and each floating output updates its site's statistics, which are traced
-scalars: the whole instrumented program runs under one ``jax.jit``.
+it, and each floating output updates its site's statistics (the table
+``_stats.STATISTICS``), which are traced scalars: the whole instrumented program
+runs under one ``jax.jit``. Sub-jaxprs are entered through the engine's skeleton
+(``_engine._control.structured_rules``), as the catalog (``_sites``) enters them.
 
 Loops carry the statistics of the sites in their body (packed into two arrays)
 together with a clock and the iteration number, and ``cond`` passes them through
@@ -18,7 +20,7 @@ loops or host syncs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,32 +28,22 @@ import numpy as np
 
 from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
+from jaxamp._engine import _control as control
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._engine._visit import structured_rules, sub_path
+from jaxamp._engine._visit import sub_path
 from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
 from jaxamp._numerics._sites import Site, site_key
+from jaxamp._numerics._stats import (
+    EMPTY,
+    NONFINITE,
+    accumulate,
+    moved,
+    pack,
+    reduce_output,
+    unpack_row,
+)
 
-__all__ = ["NEVER", "Recorder", "Stat", "instrumented"]
-
-NEVER = np.iinfo(np.int32).max  # the clock value of "no non-finite origin"
-
-
-class Stat(NamedTuple):
-    """The running statistics of one site (traced scalars)."""
-
-    max_abs: Any  # float32: largest finite magnitude
-    max_abs_float32: Any  # float32: the same, of the float32 shadow
-    nonfinite: Any  # int32: inf/NaN values
-    underflow: Any  # int32: zero/subnormal values this op flushed (see _reduce_stats)
-    lost: Any  # int32: zero/subnormal values whose shadow is normal (flushed here or before)
-    saturated: Any  # int32: float8 values at the dtype's max magnitude (see _reduce_stats)
-    executions: Any  # int32: how often the equation ran
-    origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
-    first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
-
-
-_FLOAT_FIELDS = 2
-EMPTY = Stat(np.float32(0), np.float32(0), *np.array([0, 0, 0, 0, 0, NEVER, -1], np.int32))
+__all__ = ["Recorder", "all_finite_flag", "instrumented"]
 
 
 def all_finite_flag(x: Any) -> Any:
@@ -65,11 +57,6 @@ def _and_all(flags: Sequence[Any]) -> Any:
     for flag in flags:
         out = jnp.logical_and(out, flag)
     return out
-
-
-def _finite_abs(x: Any) -> Any:
-    finite = jnp.isfinite(x)
-    return jnp.where(finite, jnp.abs(x), jnp.zeros((), x.dtype)).astype(jnp.float32), finite
 
 
 def _lift(const: Any) -> Val:
@@ -97,57 +84,6 @@ def _rounded_to_nonfinite(const: Any) -> bool:
         return False
 
 
-def _normal32(x: Any) -> Any:
-    return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
-
-
-def _saturated(out: Any, magnitude: Any) -> Any:
-    """1 where a float8 value sits at its dtype's max: clipped there by a saturating cast."""
-    if np.dtype(out.dtype).itemsize != 1:
-        return jnp.zeros(out.shape, jnp.int32)
-    return (magnitude >= np.float32(jnp.finfo(out.dtype).max)).astype(jnp.int32)
-
-
-def _reduce_stats(out: Any, shadow: Any, local: Any = None) -> tuple[Any, ...]:
-    """``(max_abs, max_abs of the shadow, inf/NaN, underflow, lost, saturated)`` of one output.
-
-    The underflow count is what *this* op flushed: zero or subnormal in the output
-    dtype, normal in the float32 twin (``shadow``) and in this op computed in float32
-    on its real inputs (``local``), so a value an earlier op already zeroed is not
-    counted again; ``lost`` counts every value zero or subnormal here and normal in the
-    twin, wherever it was flushed; ``saturated`` counts the finite values of a float8
-    output at the dtype's largest magnitude. One variadic reduction: XLA compiles one
-    kernel per output instead of six, which keeps the compile time of a large instrumented
-    program in proportion.
-    """
-    magnitude, finite = _finite_abs(out)
-    nonfinite = jnp.logical_not(finite).astype(jnp.int32)
-    if shadow is None:
-        wide, underflow = magnitude, jnp.zeros(out.shape, jnp.int32)
-        lost = underflow
-    else:
-        wide, _ = _finite_abs(shadow)
-        tiny = np.asarray(jnp.finfo(out.dtype).tiny, out.dtype)
-        lost_here = jnp.logical_and(jnp.abs(out) < tiny, _normal32(shadow))
-        flushed = lost_here if local is None else jnp.logical_and(lost_here, _normal32(local))
-        underflow, lost = flushed.astype(jnp.int32), lost_here.astype(jnp.int32)
-
-    def combine(a, b):
-        return (
-            jnp.maximum(a[0], b[0]),
-            jnp.maximum(a[1], b[1]),
-            a[2] + b[2],
-            a[3] + b[3],
-            a[4] + b[4],
-            a[5] + b[5],
-        )
-
-    zeros = (np.float32(0), np.float32(0), *np.zeros(4, np.int32))
-    dims = tuple(range(out.ndim))
-    operands = (magnitude, wide, nonfinite, underflow, lost, _saturated(out, magnitude))
-    return tuple(jax.lax.reduce(operands, zeros, combine, dims))
-
-
 # Primitives that move values without changing them: an output's statistics are its
 # input's, with the counts scaled by how often each value appears (broadcast).
 _SAME_VALUES = frozenset(
@@ -172,10 +108,7 @@ def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
     source, out = ins[0].value, outs[0]
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
-    repeat = np.int32(max(out.size, 1) // max(source.size, 1))
-    max_abs, max32, nonfinite, _, lost, saturated = ins[0].stats
-    # Moving flushes none; the values it moves are as many times lost or saturated.
-    return max_abs, max32, nonfinite * repeat, np.int32(0), lost * repeat, saturated * repeat
+    return moved(ins[0].stats, np.int32(max(out.size, 1) // max(source.size, 1)))
 
 
 class Recorder:
@@ -189,18 +122,12 @@ class Recorder:
 
     # -- packing the statistics of some sites into loop carries -------------------
     def pack(self, keys: Sequence[tuple]) -> tuple[Any, Any]:
-        rows = [self.stats.get(key, EMPTY) for key in keys]
-        floats = [jnp.stack([jnp.asarray(r[i], jnp.float32) for i in range(2)]) for r in rows]
-        ints = [jnp.stack([jnp.asarray(v, jnp.int32) for v in r[_FLOAT_FIELDS:]]) for r in rows]
-        return (
-            jnp.stack(floats) if rows else jnp.zeros((0, 2), jnp.float32),
-            jnp.stack(ints) if rows else jnp.zeros((0, len(EMPTY) - _FLOAT_FIELDS), jnp.int32),
-        )
+        return pack([self.stats.get(key, EMPTY) for key in keys])
 
     def unpack(self, keys: Sequence[tuple], packed: tuple[Any, Any]) -> None:
         floats, ints = packed
         for row, key in enumerate(keys):
-            self.stats[key] = Stat(*(floats[row, i] for i in range(2)), *ints[row])
+            self.stats[key] = unpack_row(floats[row], ints[row])
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
         sub = Recorder(self.sites, {}, clock, iteration)
@@ -238,28 +165,12 @@ class Recorder:
                     raise _unmeasured(eqn, key)
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
-            stats = _reused_stats(eqn, ins, outs) or _reduce_stats(out, shadow, locals_[k])
-            self._update(key, stats, inputs_finite)
-            vals.append(Val(out, stats[2] == 0, shadow, stats))
+            stats = _reused_stats(eqn, ins, outs) or reduce_output(out, shadow, locals_[k])
+            old = self.stats.get(key, EMPTY)
+            self.stats[key] = accumulate(old, stats, inputs_finite, self.clock, self.iteration)
+            vals.append(Val(out, stats[NONFINITE] == 0, shadow, stats))
         self.clock = self.clock + 1
         return vals
-
-    def _update(self, key, stats, inputs_finite) -> None:
-        old = self.stats.get(key, EMPTY)
-        max_abs, max32, nonfinite, underflow, lost, saturated = stats
-        first_origin = (nonfinite > 0) & inputs_finite & (old.origin_clock == NEVER)
-        first_bad = (nonfinite > 0) & (old.first_nonfinite_iteration < 0)
-        self.stats[key] = Stat(
-            jnp.maximum(old.max_abs, max_abs),
-            jnp.maximum(old.max_abs_float32, max32),
-            old.nonfinite + nonfinite,
-            old.underflow + underflow,
-            old.lost + lost,
-            old.saturated + saturated,
-            old.executions + 1,
-            jnp.where(first_origin, self.clock, old.origin_clock),
-            jnp.where(first_bad, self.iteration, old.first_nonfinite_iteration),
-        )
 
 
 def _unmeasured(eqn, key) -> RuntimeError:
@@ -272,8 +183,8 @@ def _unmeasured(eqn, key) -> RuntimeError:
     )
 
 
-def _run_inline(rec: Recorder, eqn, ins, path, index):
-    return rec.run(compat.inline_body(eqn), ins, sub_path(path, index))
+def _run_call(rec: Recorder, eqn, ins, path, index):
+    return rec.run(control.call_of(eqn).body, ins, sub_path(path, index))
 
 
 def _vals(values: Sequence[Any], shadows: Sequence[Any]) -> list[Val]:
@@ -288,80 +199,52 @@ def _shadows(vals: Sequence[Val]) -> list[Any]:
     return [materialize(v) for v in vals]
 
 
-def _handle_scan(rec: Recorder, eqn, ins, path, index):
-    p = compat.scan_parts(eqn)
+def _handle_loop(rec: Recorder, eqn, ins, path, index):
+    loop = control.loop_of(eqn, ins)
     body_path = sub_path(path, index)
     keys = rec.keys_under(body_path)
-    consts = ins[: p.num_consts]
-    init = ins[p.num_consts : p.num_consts + p.num_carry]
 
     def body(carry, xs):
         values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
-        args = [*consts, *_vals(values, shadows), *_vals(*xs)]
-        outs = sub.run(p.jaxpr, args, body_path)
-        carried, ys = outs[: p.num_carry], outs[p.num_carry :]
+        args = [*loop.consts, *_vals(values, shadows), *_vals(*xs)]
+        outs = sub.run(loop.body, args, body_path)
+        carried, ys = outs[: loop.n_carry], outs[loop.n_carry :]
         new = (_values(carried), _shadows(carried), sub.pack(keys), sub.clock, iteration + 1)
         return new, (_values(ys), _shadows(ys))
 
-    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
-    xs = ins[p.num_consts + p.num_carry :]
-    (values, shadows, packed, clock, _), ys = jax.lax.scan(
-        body,
-        carry0,
-        (_values(xs), _shadows(xs)),
-        length=p.length,
-        reverse=p.reverse,
-        unroll=p.unroll,
-    )
+    def cond(carry):
+        # The loop condition runs as written (not measured): it decides, it does not compute.
+        args = [*_values(loop.cond_consts), *carry[0]]
+        return eval_jaxpr(loop.cond, args, compat.bind_eqn)[0]
+
+    carry0 = (_values(loop.carry), _shadows(loop.carry), rec.pack(keys), rec.clock, jnp.int32(0))
+    xs = (_values(loop.xs), _shadows(loop.xs))
+    (values, shadows, packed, clock, _), ys = loop.rebuild(body, carry0, xs, cond)
     rec.unpack(keys, packed)
     rec.clock = clock
     return [*_vals(values, shadows), *_vals(*ys)]
 
 
-def _handle_while(rec: Recorder, eqn, ins, path, index):
-    p = compat.while_parts(eqn)
-    body_path = sub_path(path, index)
-    keys = rec.keys_under(body_path)
-    cond_consts = _values(ins[: p.cond_nconsts])
-    body_consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
-    init = ins[p.cond_nconsts + p.body_nconsts :]
-
-    def cond_fun(carry):
-        # The loop condition runs as written (not measured): it decides, it does not compute.
-        return eval_jaxpr(p.cond_jaxpr, [*cond_consts, *carry[0]], compat.bind_eqn)[0]
-
-    def body_fun(carry):
-        values, shadows, packed, clock, iteration = carry
-        sub = rec.child(keys, packed, clock, iteration)
-        outs = sub.run(p.body_jaxpr, [*body_consts, *_vals(values, shadows)], body_path)
-        return _values(outs), _shadows(outs), sub.pack(keys), sub.clock, iteration + 1
-
-    carry0 = (_values(init), _shadows(init), rec.pack(keys), rec.clock, jnp.int32(0))
-    values, shadows, packed, clock, _ = jax.lax.while_loop(cond_fun, body_fun, carry0)
-    rec.unpack(keys, packed)
-    rec.clock = clock
-    return _vals(values, shadows)
-
-
 def _handle_cond(rec: Recorder, eqn, ins, path, index):
-    branches = compat.cond_parts(eqn).branches
-    keys = [key for b in range(len(branches)) for key in rec.keys_under(sub_path(path, index, b))]
+    branch = control.branch_of(eqn, ins)
+    paths = [sub_path(path, index, b) for b in range(len(branch.branches))]
+    keys = [key for body_path in paths for key in rec.keys_under(body_path)]
 
-    def make(b, branch):
+    def make(body, body_path):
         def fun(packed, clock, values, flags, shadows):
             sub = rec.child(keys, packed, clock, rec.iteration)
             args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
-            outs = sub.run(branch, args, sub_path(path, index, b))
+            outs = sub.run(body, args, body_path)
             flags = [v.finite for v in outs]
             return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
 
         return fun
 
-    operands = ins[1:]
-    values, flags, shadows, packed, clock = jax.lax.switch(
-        ins[0].value,
-        [make(b, branch) for b, branch in enumerate(branches)],
+    operands = branch.operands
+    values, flags, shadows, packed, clock = branch.rebuild(
+        branch.index.value,
+        [make(body, body_path) for body, body_path in zip(branch.branches, paths, strict=True)],
         rec.pack(keys),
         rec.clock,
         _values(operands),
@@ -375,8 +258,8 @@ def _handle_cond(rec: Recorder, eqn, ins, path, index):
 
 # Primitive name -> rule for the equations whose sub-jaxprs are measured inside;
 # every other equation is measured as one op (``Recorder.measure``).
-_RULES: dict[str, Callable] = structured_rules(
-    inline=_run_inline, scan=_handle_scan, while_=_handle_while, cond=_handle_cond
+_RULES: dict[str, Callable] = control.structured_rules(
+    call=_run_call, loop=_handle_loop, branch=_handle_cond
 )
 
 

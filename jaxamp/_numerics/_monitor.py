@@ -8,8 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._numerics._api import TracedCall, check_options, finish_report, measuring
-from jaxamp._numerics._compiled import Compiled
+from jaxamp._numerics._program import NumericsProgram, check_options
 from jaxamp._numerics._types import NumericsReport
 from jaxamp._resolve import resolved_spec
 
@@ -74,19 +73,17 @@ def numerics_monitor(
     report_to = callback if callback is not None else _print_report
 
     def monitor(step: Any, *args: Any, loss_scale: Any = None, **kwargs: Any) -> None:
-        traced = TracedCall(fun, args, kwargs, resolved, grad, has_aux)
+        program = NumericsProgram(fun, args, kwargs, resolved, grad, has_aux)
         seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
-        inputs = traced.inputs(seed)
-        closed, sites = traced.catalogued(inputs)
-        compiled = Compiled(None, sites, traced.paths())
-        measure = measuring(closed, sites)
+        inputs = program.inputs(seed)
+        traced = program.traced(inputs)
 
         def host(step, floats, ints, finite, scale):
             scale = float(scale) if grad else None
-            report_to(int(step), finish_report(compiled, floats, ints, finite, scale))
+            report_to(int(step), traced.report(floats, ints, finite, scale))
 
         def report(step, inputs):
-            jax.debug.callback(host, step, *measure(*inputs), seed)
+            jax.debug.callback(host, step, *traced.run(*inputs), seed)
 
         step = jnp.asarray(step)
         jax.lax.cond(step % every == 0, report, lambda *_: None, step, inputs)

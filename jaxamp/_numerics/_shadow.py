@@ -67,25 +67,35 @@ def materialize(val: Val) -> Any:
 def shadow_outputs(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any]) -> list:
     """The shadow of each output of ``eqn`` (None where it equals the value)."""
     floating = [is_floating(out) for out in outs]
-    shadowed_in = any(v.shadow is not None for v in ins)
-    if not any(floating) or eqn.primitive.name in NO_SHADOW:
+    if not _shadowed(eqn, ins, outs, floating):
         return [None] * len(outs)
-    if not shadowed_in and not any(is_narrow(out) for out in outs):
-        return [None] * len(outs)  # 32-bit arithmetic on exact inputs: the value itself
     if eqn.primitive.name in _ROUNDING and is_floating(ins[0].value):
         target = jnp.float32 if is_narrow(outs[0]) else outs[0].dtype
         return [widened(ins[0]).astype(target)]
-    args = [widened(v) for v in ins]
+    # A primitive that insists on its dtypes restarts the shadow.
+    return _twins(eqn, [widened(v) for v in ins], outs, floating)
+
+
+def _shadowed(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any], floating) -> bool:
+    """Whether some output's shadow may differ from it."""
+    if not any(floating) or eqn.primitive.name in NO_SHADOW:
+        return False
+    # 32-bit arithmetic on exact inputs gives the value itself.
+    return any(v.shadow is not None for v in ins) or any(is_narrow(out) for out in outs)
+
+
+def _twins(eqn: jex.JaxprEqn, args: list, outs: Sequence[Any], wanted: Sequence[bool]) -> list:
+    """``eqn`` bound in float32 on ``args``, per output if ``wanted``; None where it fails."""
     try:
         params, risky = twin_params(eqn)
         if risky or every_twin_checked():
             check_lowers(eqn, params, args)
-        shadows = compat.bind_eqn(eqn.replace(params=params), args)
-    except Exception:  # a primitive that insists on its dtypes: restart
+        twins = compat.bind_eqn(eqn.replace(params=params), args)
+    except Exception:  # a primitive that insists on its dtypes
         return [None] * len(outs)
     return [
-        shadow if is_float and np.shape(shadow) == np.shape(out) else None
-        for out, shadow, is_float in zip(outs, shadows, floating, strict=True)
+        twin if want and np.shape(twin) == np.shape(out) else None
+        for out, twin, want in zip(outs, twins, wanted, strict=True)
     ]
 
 
@@ -96,7 +106,8 @@ def local_twins(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any], shad
     from the 16-bit inputs with their zero and subnormal values as zero, so comparing
     it with the output tells what this op flushed (a value an earlier op made zero or
     subnormal is not counted again). None where it equals the shadow (no input has a
-    shadow) or where the output is not 16-bit.
+    shadow) or where the output is not 16-bit; where the twin fails, the shadow alone
+    decides.
     """
     wanted = [
         shadow is not None and is_narrow(out) for out, shadow in zip(outs, shadows, strict=True)
@@ -105,15 +116,4 @@ def local_twins(eqn: jex.JaxprEqn, ins: Sequence[Val], outs: Sequence[Any], shad
         return [None] * len(outs)
     if eqn.primitive.name in _ROUNDING:
         return [widen(ins[0].value)]
-    args = [_wide_normal(v.value) for v in ins]
-    try:
-        params, risky = twin_params(eqn)
-        if risky or every_twin_checked():
-            check_lowers(eqn, params, args)
-        twins = compat.bind_eqn(eqn.replace(params=params), args)
-    except Exception:  # a primitive that insists on its dtypes: the shadow alone decides
-        return [None] * len(outs)
-    return [
-        twin if want and np.shape(twin) == np.shape(out) else None
-        for out, twin, want in zip(outs, twins, wanted, strict=True)
-    ]
+    return _twins(eqn, [_wide_normal(v.value) for v in ins], outs, wanted)

@@ -1,10 +1,11 @@
 """The static half of the numerics report: which outputs are measured, where, in which phase.
 
 ``catalog`` walks the traced program once, before anything runs, entering the
-same sub-jaxprs as the instrumented evaluation (both tables come from
-``_engine._visit.structured_rules``), and lists one ``Site`` per floating output
-of every other equation. A site's key is its position (``site_key``): the path
-of ``(equation index, sub-jaxpr number)`` pairs that leads to its jaxpr
+same sub-jaxprs as the instrumented evaluation (both tables come from the
+engine's skeleton, ``_engine._control.structured_rules``), and lists one
+``Site`` per floating output of every other equation. A site's key is its
+position (``site_key``): the path of ``(equation index, sub-jaxpr number)``
+pairs that leads to its jaxpr
 (``_engine._visit.sub_path``), then the equation index and output index, so an
 inner jaxpr that two call sites share still gives two sites.
 
@@ -36,16 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._engine import _compat as compat
-from jaxamp._engine._visit import structured_rules, sub_path
+from jaxamp._engine import _control as control
+from jaxamp._engine._visit import sub_path
 
-__all__ = ["PHASES", "TAINT_ROUNDS", "Site", "catalog", "site_key", "user_frame", "user_source"]
-
-# How often a loop body is visited to find which carries depend on the seed. It
-# terminates: a carry's flag only goes from False to True (``_carry_fixpoint``
-# ors the update into it), so each round either flips one of the finitely many
-# flags or changes nothing and ends the search. The bound caps the work for
-# loops with long chains of carries feeding each other.
-TAINT_ROUNDS = 8
+__all__ = ["PHASES", "Site", "catalog", "site_key", "user_frame", "user_source"]
 
 
 def site_key(path: tuple, index: int, output: int) -> tuple:
@@ -252,62 +247,38 @@ def _is_floating_var(var) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _visit_inline(eqn, ins, where: _Where, index, sites) -> list[bool]:
+def _visit_call(eqn, ins, where: _Where, index, sites) -> list[bool]:
     inner = where._replace(path=sub_path(where.path, index))
-    return _visit(compat.inline_body(eqn).jaxpr, ins, inner, sites)
+    return _visit(control.call_of(eqn).body.jaxpr, ins, inner, sites)
 
 
-def _body_where(where: _Where, index: int, n_outs: int) -> _Where:
+def _visit_loop(eqn, ins, where, index, sites):
+    loop = control.loop_of(eqn, ins)
     # A loop body runs for the strongest phase that needs any output of the loop.
-    live = [min(where.live_outs, default=_NONE)] * n_outs
-    return where._replace(path=sub_path(where.path, index), in_loop=True, live_outs=live)
+    live = [min(where.live_outs, default=_NONE)] * len(loop.body.jaxpr.outvars)
+    inner = where._replace(path=sub_path(where.path, index), in_loop=True, live_outs=live)
 
+    def body(carry, found):
+        return _visit(loop.body.jaxpr, [*loop.consts, *carry, *loop.xs], inner, found)
 
-def _visit_scan(eqn, ins, where, index, sites):
-    p = compat.scan_parts(eqn)
-    consts, carry = ins[: p.num_consts], ins[p.num_consts : p.num_consts + p.num_carry]
-    xs = ins[p.num_consts + p.num_carry :]
-    inner = _body_where(where, index, len(p.jaxpr.jaxpr.outvars))
+    # A carry depends on the seed if its initial value or any iteration's update does.
+    def join(carry, outs):
+        return [a or b for a, b in zip(carry, outs, strict=True)]
 
-    def body(c, out):
-        return _visit(p.jaxpr.jaxpr, [*consts, *c, *xs], inner, out)
-
-    return body(_carry_fixpoint(body, carry), sites)
-
-
-def _visit_while(eqn, ins, where, index, sites):
-    p = compat.while_parts(eqn)
-    consts = ins[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
-    carry = ins[p.cond_nconsts + p.body_nconsts :]
-    inner = _body_where(where, index, len(carry))
-
-    def body(c, out):
-        return _visit(p.body_jaxpr.jaxpr, [*consts, *c], inner, out)
-
-    carry = _carry_fixpoint(body, carry)
-    body(carry, sites)
-    return carry
+    carry = control.carry_fixpoint(lambda c: body(c, []), loop.carry, join)
+    outs = body(carry, sites)
+    return outs if loop.returns_body_outputs else [*carry, *outs[loop.n_carry :]]
 
 
 def _visit_cond(eqn, ins, where, index, sites):
+    branch = control.branch_of(eqn, ins)
     outs = [
-        _visit(branch.jaxpr, ins[1:], where._replace(path=sub_path(where.path, index, b)), sites)
-        for b, branch in enumerate(compat.cond_parts(eqn).branches)
+        _visit(
+            body.jaxpr, branch.operands, where._replace(path=sub_path(where.path, index, b)), sites
+        )
+        for b, body in enumerate(branch.branches)
     ]
     return [any(flags) for flags in zip(*outs, strict=True)]
 
 
-_SITE_RULES = structured_rules(
-    inline=_visit_inline, scan=_visit_scan, while_=_visit_while, cond=_visit_cond
-)
-
-
-def _carry_fixpoint(body, carry: list[bool]) -> list[bool]:
-    # A carry depends on the seed if its initial value or any iteration's update does.
-    for _ in range(TAINT_ROUNDS):
-        outs = body(carry, [])
-        new = [a or b for a, b in zip(carry, outs[: len(carry)], strict=True)]
-        if new == carry:
-            break
-        carry = new
-    return carry
+_SITE_RULES = control.structured_rules(call=_visit_call, loop=_visit_loop, branch=_visit_cond)

@@ -6,8 +6,8 @@ import math
 
 import jax.numpy as jnp
 
-from jaxamp._numerics._instrument import NEVER
 from jaxamp._numerics._sites import Site
+from jaxamp._numerics._stats import NEVER, STATISTICS, unpack_row
 from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
 
 __all__ = ["summarise"]
@@ -17,33 +17,35 @@ def summarise(
     sites: list[Site], floats, ints, scale: float | None, nonfinite_inputs: tuple[str, ...] = ()
 ) -> NumericsReport:
     ops, origin, origin_clock = [], None, NEVER
-    for site, (max_abs, max32), row in zip(sites, floats, ints, strict=True):
-        nonfinite, underflow, lost, saturated, executions, clock, first_iter = (int(v) for v in row)
-        size = math.prod(site.shape) * executions
-        op = OpStats(
-            primitive=site.primitive,
-            source=site.source,
-            phase=site.phase,
-            scaled=site.scaled,
-            dtype=site.dtype,
-            shape=site.shape,
-            max_abs=float(max_abs),
-            nonfinite=nonfinite,
-            underflow_fraction=underflow / size if size else 0.0,
-            headroom=float(max_abs) / float(jnp.finfo(site.dtype).max),
-            max_abs_float32=float(max32),
-            executions=executions,
-            first_nonfinite_iteration=first_iter if site.in_loop and first_iter >= 0 else None,
-            lost_fraction=lost / size if size else 0.0,
-            internal=site.internal,
-            saturated_fraction=saturated / size if size else 0.0,
-        )
+    for site, float_row, int_row in zip(sites, floats, ints, strict=True):
+        op, clock = _op_stats(site, unpack_row(float_row, int_row))
         ops.append(op)
         if clock < origin_clock:
             origin, origin_clock = op, clock
     largest = _largest_loss_scale(ops, scale)
     suggested = None if largest is None else largest / SAFETY_FACTOR
     return NumericsReport(tuple(ops), origin, suggested, scale, largest, nonfinite_inputs)
+
+
+def _op_stats(site: Site, stat) -> tuple[OpStats, int]:
+    """The site's ``OpStats`` (each statistic fills its field) and its origin clock."""
+    executions, first_iter = int(stat.executions), int(stat.first_nonfinite_iteration)
+    size = math.prod(site.shape) * executions
+    measured = {s.field: s.report(v, size) for s, v in zip(STATISTICS, stat.measured, strict=True)}
+    op = OpStats(
+        primitive=site.primitive,
+        source=site.source,
+        phase=site.phase,
+        scaled=site.scaled,
+        dtype=site.dtype,
+        shape=site.shape,
+        headroom=measured["max_abs"] / float(jnp.finfo(site.dtype).max),
+        executions=executions,
+        first_nonfinite_iteration=first_iter if site.in_loop and first_iter >= 0 else None,
+        internal=site.internal,
+        **measured,
+    )
+    return op, int(stat.origin_clock)
 
 
 def _narrow_range(dtype) -> bool:

@@ -13,8 +13,9 @@ import jaxamp
 from jaxamp._autocast import _caster, _dispatch
 from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
 from jaxamp._engine import _compat as compat
+from jaxamp._engine import _control as control
 from jaxamp._engine._trace import flatten_call, trace
-from jaxamp._engine._visit import STRUCTURED_NAMES, structured_rules, sub_path, walk
+from jaxamp._engine._visit import sub_path, walk
 from jaxamp._numerics._instrument import instrumented
 from jaxamp._numerics._sites import catalog, site_key
 
@@ -37,8 +38,9 @@ def test_flatten_call_traces_array_leaves_and_keeps_the_rest_static():
         return tree["a"] * scale + tree["b"]
 
     args = ({"a": jnp.ones(2), "b": np.ones(2, np.float32)}, 2)
-    call, arrays = flatten_call(f, args, {"name": "n"})
-    assert len(arrays) == 2
+    call, arrays, _, static, paths = flatten_call(f, args, {"name": "n"})
+    assert len(arrays) == 2 and static == [2, "n"]
+    assert [jax.tree_util.keystr(p) for p in paths] == ["[0][0]['a']", "[0][0]['b']"]
     np.testing.assert_array_equal(call(*arrays), f(*args, name="n"))
     traced = trace(f, args, {"name": "n"})
     assert len(traced.closed.jaxpr.invars) == 2
@@ -53,10 +55,45 @@ def test_sub_path_is_the_one_path_scheme():
 
 
 def test_structured_rules_cover_the_call_like_and_loop_primitives():
-    table = structured_rules(inline="i", scan="s", while_="w", cond="c")
-    assert set(table) == set(STRUCTURED_NAMES)
-    assert {table[name] for name in compat.INLINE_NAMES} == {"i"}
-    assert (table["scan"], table["while"], table["cond"]) == ("s", "w", "c")
+    table = control.structured_rules(call="c", loop="l", branch="b", extra={"x": "x", "jit": None})
+    assert set(table) == {*control.STRUCTURED_NAMES, "x"} - {"jit"}
+    assert {table[name] for name in compat.INLINE_NAMES if name != "jit"} == {"c"}
+    assert (table["scan"], table["while"], table["cond"]) == ("l", "l", "b")
+
+
+def test_parts_split_the_operands_of_loops_and_branches():
+    jaxpr = jax.make_jaxpr(_program)(W, X).jaxpr
+    scan, cond = (e for e in jaxpr.eqns if e.primitive.name in ("scan", "cond"))
+    ins = list(range(len(scan.invars)))
+    loop = control.loop_of(scan, ins)
+    assert [*loop.consts, *loop.carry, *loop.xs] == ins and loop.n_carry == 1
+    assert loop.xs == [ins[-1]] and loop.cond is None and loop.returns_body_outputs
+    branch = control.branch_of(cond, ["i", "o"])
+    assert (branch.index, branch.operands, len(branch.branches)) == ("i", ["o"], 2)
+    whl = jax.make_jaxpr(
+        lambda a: jax.lax.while_loop(lambda c: c[0] < a, lambda c: (c[0] * a, c[1] + c[0]), (a, a))
+    )
+    loop = control.loop_of(whl(1.0).jaxpr.eqns[0], ["a", "b", "c0", "c1"])
+    assert (loop.cond_consts, loop.consts, loop.carry, loop.xs) == (["a"], ["b"], ["c0", "c1"], [])
+    assert not loop.returns_body_outputs
+
+
+def test_carry_fixpoint_stops_when_nothing_moves_and_at_the_bound():
+    rounds = []
+
+    def body(carry):  # flag i is set by flag i - 1: a chain of carries
+        rounds.append(list(carry))
+        return [False, *carry[:-1]]
+
+    def join(carry, outs):
+        return [a or b for a, b in zip(carry, outs, strict=True)]
+
+    assert control.carry_fixpoint(body, [True, False, False], join) == [True] * 3
+    assert len(rounds) == 3  # two rounds move a flag, the third changes nothing
+    rounds.clear()
+    chain = [True] + [False] * (2 * control.CARRY_ROUNDS)
+    assert sum(control.carry_fixpoint(body, chain, join)) == control.CARRY_ROUNDS + 1
+    assert len(rounds) == control.CARRY_ROUNDS
 
 
 def test_walk_counts_scan_bodies_per_iteration():

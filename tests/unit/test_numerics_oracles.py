@@ -238,7 +238,7 @@ def _walk_dots(jaxpr):
 
 def test_dot_algorithm_presets_are_not_bound_on_float32_operands():
     # F16_F16_F32 names float16 operands: its float32 twin runs at the default precision.
-    from jaxamp._numerics._api import TracedCall, measuring
+    from jaxamp._numerics._program import NumericsProgram
 
     preset = jax.lax.DotAlgorithmPreset.F16_F16_F32
 
@@ -248,10 +248,9 @@ def test_dot_algorithm_presets_are_not_bound_on_float32_operands():
 
     x = jnp.ones((4, 4), jnp.float16)
     # Traced only: on CPU, XLA rejects F16_F16_F32 for the plain program too.
-    traced = TracedCall(fun, (x, x), {}, None, False, False)
-    inputs = traced.inputs(None)
-    closed, sites = traced.catalogued(inputs)
-    dots = list(_walk_dots(jax.make_jaxpr(measuring(closed, sites))(*inputs).jaxpr))
+    program = NumericsProgram(fun, (x, x), {}, None, False, False)
+    inputs = program.inputs(None)
+    dots = list(_walk_dots(jax.make_jaxpr(program.traced(inputs).run)(*inputs).jaxpr))
     assert len(dots) == 2  # the real matmul and its twin
     for eqn in dots:
         operands = {np.dtype(v.aval.dtype) for v in eqn.invars}

@@ -261,3 +261,33 @@ def test_flax_nnx_haiku_and_equinox_models():
         return jnp.mean(jax.vmap(mlp)(x) ** 2)  # equinox line
 
     _mlp_loss_checks(jaxamp.numerics_report(eqx_loss, mlp, x, policy="mixed_float16", grad=True))
+
+
+def test_a_typed_prng_key_argument_is_traced_and_the_program_reused():
+    from jaxamp._numerics import _compiled
+
+    def noisy(w, key):
+        return jnp.sum(w * jax.random.normal(key, w.shape, w.dtype))  # plant-key
+
+    w = jnp.linspace(1.0, 2.0, 8, dtype=jnp.float32)
+    first = jaxamp.numerics_report(noisy, w, jax.random.key(0))
+    cached = len(_compiled._CACHE)
+    second = jaxamp.numerics_report(noisy, w, jax.random.key(1))
+    assert len(_compiled._CACHE) == cached  # same key type and shape: no new program
+    for report, seed in ((first, 0), (second, 1)):
+        (total,) = [op for op in report.ops if op.source == _line("plant-key")][-1:]
+        # The key's own random numbers (key 0 and key 1 differ), summed in another order.
+        want = abs(float(noisy(w, jax.random.key(seed))))
+        assert total.max_abs == pytest.approx(want, rel=1e-6)
+        assert report.nonfinite_inputs == () and report.first_nonfinite is None
+    assert first.ops[-1].max_abs != second.ops[-1].max_abs
+
+
+def test_float8_inputs_of_two_formats_get_two_programs():
+    def double(x):
+        return x * 2
+
+    # NumPy spells both dtypes '<V1': the cache keys them by name.
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz):
+        report = jaxamp.numerics_report(double, jnp.ones(4, dtype))
+        assert [op.dtype for op in report.ops] == [np.dtype(dtype)]

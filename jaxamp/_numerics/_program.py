@@ -1,0 +1,167 @@
+"""The numerics pipeline as one object: trace, catalog, instrument, report.
+
+``NumericsProgram(fun, args, kwargs, policy, grad, has_aux)`` is ``fun`` on these
+arguments: its array leaves are the program's inputs (``_engine._trace.flatten_call``),
+the rest static; with ``grad=True`` the program is the loss-scaled gradient.
+``numerics_report`` compiles it (cached, ``compiled``); ``numerics_monitor``
+traces it into a user's jitted step (``traced``). Both get a ``Compiled`` whose
+``report`` turns one run's statistics into a :class:`NumericsReport`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._autocast import autocast
+from jaxamp._casting import is_floating
+from jaxamp._checks import check_callable
+from jaxamp._engine._trace import flatten_call, is_array
+from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
+from jaxamp._numerics._instrument import all_finite_flag, instrumented
+from jaxamp._numerics._sites import catalog
+
+__all__ = ["NumericsProgram", "check_options"]
+
+
+def check_options(fun: Any, has_aux: Any) -> None:
+    """The options every entry point checks before it traces anything."""
+    check_callable(fun)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be True or False; got {has_aux!r}.")
+
+
+class NumericsProgram:
+    """``fun`` on these arguments, measured (``policy``: already resolved, or None)."""
+
+    def __init__(self, fun, args, kwargs, policy, grad: bool, has_aux: bool):
+        self.fun, self.args, self.policy, self.grad, self.has_aux = fun, args, policy, grad, has_aux
+        wrapped = autocast(fun, policy) if policy is not None else fun
+        self.flat = flatten_call(wrapped, args, kwargs)
+
+    def inputs(self, seed: Any) -> list:
+        """The program's arguments: the array leaves, then (``grad``) the float32 seed."""
+        arrays = list(self.flat.arrays)
+        return [*arrays, seed] if self.grad else arrays
+
+    def cache_key(self) -> Hashable | None:
+        flat = self.flat
+        return cache_key(
+            self.fun, self.policy, self.grad, self.has_aux, flat.treedef, flat.static, flat.arrays
+        )
+
+    def catalogued(self, inputs: list) -> tuple[Any, list]:
+        """``(closed jaxpr, sites)`` of the program on ``inputs``."""
+        if self.grad:
+            program, out_phases = _gradient_program(
+                self.flat.call, self.args, self.flat.arrays, self.has_aux
+            )
+        else:
+            program, out_phases = self.flat.call, None
+        closed = jax.make_jaxpr(program)(*inputs)
+        tainted = [False] * len(inputs)
+        if self.grad:
+            tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
+        if out_phases is None:
+            out_phases = ["forward"] * len(closed.jaxpr.outvars)
+        return closed, catalog(closed, tainted, out_phases)
+
+    def traced(self, inputs: list) -> Compiled:
+        """The instrumented program as a function to trace into a caller's program."""
+        closed, sites = self.catalogued(inputs)
+        return Compiled(_measuring(closed, sites), sites, self.paths())
+
+    def compiled(self, inputs: list) -> Compiled:
+        """The instrumented program compiled for ``inputs``, cached across calls."""
+
+        def build() -> Compiled:
+            closed, sites = self.catalogued(inputs)
+            # A fresh jit per attempt: the fallback traces it again, checking every twin.
+            run = compile_with_fallback(lambda: jax.jit(_measuring(closed, sites)), inputs)
+            return Compiled(run, sites, self.paths())
+
+        return cached(self.cache_key(), build)
+
+    def paths(self) -> list[str]:
+        return [_arg_path(self.fun, path) for path in self.flat.paths]
+
+
+def _measuring(closed, sites) -> Callable:
+    """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite."""
+    measure = instrumented(closed, sites)
+    return lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a]))
+
+
+def _arg_path(fun: Callable, path: tuple) -> str:
+    """``"params['w']"``: the argument name (``args[i]`` if unknown) and the path in it."""
+    head, rest = path[0].idx, path[1:]
+    if head == 1:  # keyword arguments: the first key is the name
+        return f"{rest[0].key}{jax.tree_util.keystr(rest[1:])}"
+    index = rest[0].idx
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    name = positional[index].name if index < len(positional) else f"args[{index}]"
+    return f"{name}{jax.tree_util.keystr(rest[1:])}"
+
+
+def _gradient_program(call: Callable, args: tuple, dynamic: list, has_aux: bool):
+    """``(program, out_phases)``: ``program(*dynamic, seed)`` returns the loss (and aux)
+    and the gradient wrt the first argument; ``out_phases`` names each output's phase."""
+    n_first = sum(map(is_array, jax.tree.leaves(args[:1])))
+    wrt = [i for i in range(n_first) if is_floating(dynamic[i])]
+    if not args or not wrt:
+        got = _describe(args[0]) if args else "no arguments"
+        raise TypeError(
+            "numerics_report(grad=True) differentiates with respect to the floating "
+            f"arrays of the first argument, and it has none (got {got}). Pass the "
+            "parameters (a pytree of floating arrays) first."
+        )
+    out = jax.eval_shape(call, *dynamic)
+    if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "numerics_report(has_aux=True) needs fun to return a pair (loss, aux); got "
+            f"{_describe(out)}."
+        )
+    loss_out = out[0] if has_aux else out
+    if not (is_floating(loss_out) and getattr(loss_out, "shape", None) == ()):
+        raise TypeError(
+            "numerics_report(grad=True) needs fun to return a floating scalar loss; got "
+            f"{_describe(loss_out)}. Reduce the "
+            "output to a scalar (e.g. jnp.mean) or pass grad=False."
+        )
+
+    def program(*inputs):
+        *dyn, seed = inputs
+
+        def of_wrt(diff):
+            full = list(dyn)
+            for i, value in zip(wrt, diff, strict=True):
+                full[i] = value
+            return call(*full)
+
+        loss, backward, *aux = jax.vjp(of_wrt, [dyn[i] for i in wrt], has_aux=has_aux)
+        # The seed is a float32 argument rounded to the loss dtype here: the rounding is
+        # a measured op, so a float16 loss's seed counts for the loss scale, and its
+        # float32 twin is the true scale even where the float16 seed overflows.
+        return loss, aux, backward(seed.astype(loss_out.dtype))
+
+    n_aux = len(jax.tree.leaves(out[1])) if has_aux else 0
+    return program, ["forward"] + ["state"] * n_aux + ["backward"] * len(wrt)
+
+
+def _describe(tree: Any) -> str:
+    def one(x):
+        if hasattr(x, "dtype") and hasattr(x, "shape"):
+            return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+        return type(x).__name__
+
+    leaves = jax.tree.leaves(tree)
+    return str(jax.tree.map(one, tree)) if len(leaves) != 1 else one(leaves[0])

@@ -1,0 +1,267 @@
+"""The statistics of the numerics report, declared once.
+
+A statistic is a per-element map of one floating output (its finite magnitude,
+1 where it is inf/NaN, ...) reduced with an associative ``combine`` (max or
+sum) from an ``initial`` value. From the table ``STATISTICS`` come the one
+variadic reduction per output (``reduce_output``), the statistics a
+value-preserving op passes on (``moved``), the running statistics of a site
+over every time it runs (``Stat``, ``accumulate``), their packing into two
+arrays (float32 and int32) that loops carry and the program returns
+(``pack``, ``unpack_row``), and the :class:`jaxamp.OpStats` field each one
+fills (``field``, ``report``).
+
+>>> [s.name for s in STATISTICS]
+['max_abs', 'max_abs_float32', 'nonfinite', 'underflow', 'lost', 'saturated']
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "EMPTY",
+    "NEVER",
+    "STATISTICS",
+    "Elements",
+    "Stat",
+    "Statistic",
+    "accumulate",
+    "moved",
+    "pack",
+    "reduce_output",
+    "unpack_row",
+]
+
+NEVER = np.iinfo(np.int32).max  # the clock value of "no non-finite origin"
+_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
+def _finite_abs(x: Any) -> tuple[Any, Any]:
+    finite = jnp.isfinite(x)
+    return jnp.where(finite, jnp.abs(x), jnp.zeros((), x.dtype)).astype(jnp.float32), finite
+
+
+def _normal32(x: Any) -> Any:
+    return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
+
+
+class Elements:
+    """The per-element facts of one output that the statistics map from.
+
+    ``shadow`` is the output's float32 twin along the whole program (None: equal
+    to the output) and ``local`` this op alone in float32 on its real inputs
+    (None: not computed), see ``_shadow``. Each fact is computed once.
+    """
+
+    def __init__(self, out: Any, shadow: Any = None, local: Any = None):
+        self.out, self.shadow, self.local = out, shadow, local
+
+    @functools.cached_property
+    def _abs_finite(self) -> tuple[Any, Any]:
+        return _finite_abs(self.out)
+
+    @property
+    def magnitude(self) -> Any:
+        """float32 ``|x|`` where finite, else 0."""
+        return self._abs_finite[0]
+
+    @property
+    def nonfinite(self) -> Any:
+        return jnp.logical_not(self._abs_finite[1]).astype(jnp.int32)
+
+    @property
+    def magnitude_float32(self) -> Any:
+        return self.magnitude if self.shadow is None else _finite_abs(self.shadow)[0]
+
+    @functools.cached_property
+    def _lost_here(self) -> Any:
+        tiny = np.asarray(jnp.finfo(self.out.dtype).tiny, self.out.dtype)
+        return jnp.logical_and(jnp.abs(self.out) < tiny, _normal32(self.shadow))
+
+    @functools.cached_property
+    def underflow(self) -> Any:
+        """1 where *this* op flushed: zero/subnormal here, normal in the twin and locally."""
+        if self.shadow is None:
+            return jnp.zeros(self.out.shape, jnp.int32)
+        if self.local is None:
+            return self._lost_here.astype(jnp.int32)
+        return jnp.logical_and(self._lost_here, _normal32(self.local)).astype(jnp.int32)
+
+    @property
+    def lost(self) -> Any:
+        """1 where zero/subnormal here and normal in the twin, wherever it was flushed."""
+        return self.underflow if self.shadow is None else self._lost_here.astype(jnp.int32)
+
+    @property
+    def saturated(self) -> Any:
+        """1 where a float8 value sits at its dtype's max: clipped there by a saturating cast."""
+        if np.dtype(self.out.dtype).itemsize != 1:
+            return jnp.zeros(self.out.shape, jnp.int32)
+        return (self.magnitude >= np.float32(jnp.finfo(self.out.dtype).max)).astype(jnp.int32)
+
+
+def _same(value: Any, repeat: Any) -> Any:
+    return value
+
+
+def _repeated(value: Any, repeat: Any) -> Any:
+    return value * repeat
+
+
+def _none(value: Any, repeat: Any) -> Any:
+    return np.int32(0)
+
+
+def _fraction(count: Any, size: int) -> float:
+    return int(count) / size if size else 0.0
+
+
+def _as_float(value: Any, size: int) -> float:
+    return float(value)
+
+
+def _as_int(value: Any, size: int) -> int:
+    return int(value)
+
+
+class Statistic(NamedTuple):
+    """One statistic of every measured output."""
+
+    name: str
+    dtype: np.dtype  # float32 (a magnitude) or int32 (a count)
+    element: Callable[[Elements], Any]  # the per-element map
+    combine: Callable[[Any, Any], Any]  # associative and commutative: max or sum
+    initial: Any  # the identity of ``combine`` on the values (before anything ran)
+    # (the input's statistic, how often each value repeats) -> the output's, for an
+    # op that moves values without changing them (reshape, broadcast).
+    moved: Callable[[Any, Any], Any]
+    field: str  # the OpStats field it fills
+    report: Callable[[Any, int], Any]  # (host value, elements measured) -> that field
+
+
+STATISTICS = (
+    Statistic("max_abs", _F32, lambda e: e.magnitude, jnp.maximum, 0, _same, "max_abs", _as_float),
+    Statistic(
+        "max_abs_float32",
+        _F32,
+        lambda e: e.magnitude_float32,
+        jnp.maximum,
+        0,
+        _same,
+        "max_abs_float32",
+        _as_float,
+    ),
+    Statistic(
+        "nonfinite", _I32, lambda e: e.nonfinite, operator.add, 0, _repeated, "nonfinite", _as_int
+    ),
+    # Moving values flushes none.
+    Statistic(
+        "underflow",
+        _I32,
+        lambda e: e.underflow,
+        operator.add,
+        0,
+        _none,
+        "underflow_fraction",
+        _fraction,
+    ),
+    Statistic(
+        "lost", _I32, lambda e: e.lost, operator.add, 0, _repeated, "lost_fraction", _fraction
+    ),
+    Statistic(
+        "saturated",
+        _I32,
+        lambda e: e.saturated,
+        operator.add,
+        0,
+        _repeated,
+        "saturated_fraction",
+        _fraction,
+    ),
+)
+_INDEX = {s.name: i for i, s in enumerate(STATISTICS)}
+NONFINITE = _INDEX["nonfinite"]
+_FLOATS = [i for i, s in enumerate(STATISTICS) if s.dtype == _F32]
+_INTS = [i for i, s in enumerate(STATISTICS) if s.dtype == _I32]
+if len(_FLOATS) + len(_INTS) != len(STATISTICS):
+    raise TypeError("every numerics statistic is float32 or int32")
+
+
+def reduce_output(out: Any, shadow: Any = None, local: Any = None) -> tuple[Any, ...]:
+    """Every statistic of one output, in ``STATISTICS`` order.
+
+    One variadic reduction: XLA compiles one kernel per output instead of one per
+    statistic, which keeps the compile time of a large instrumented program in
+    proportion.
+    """
+    elements = Elements(out, shadow, local)
+    operands = tuple(s.element(elements) for s in STATISTICS)
+    initial = tuple(s.dtype.type(s.initial) for s in STATISTICS)
+
+    def combine(a, b):
+        return tuple(s.combine(x, y) for s, x, y in zip(STATISTICS, a, b, strict=True))
+
+    return tuple(jax.lax.reduce(operands, initial, combine, tuple(range(out.ndim))))
+
+
+def moved(stats: Sequence[Any], repeat: Any) -> tuple[Any, ...]:
+    """The statistics of a value-preserving op's output, from its input's."""
+    return tuple(s.moved(v, repeat) for s, v in zip(STATISTICS, stats, strict=True))
+
+
+class Stat(NamedTuple):
+    """The running statistics of one site (traced scalars)."""
+
+    measured: tuple  # per ``STATISTICS``: combined over every run
+    executions: Any  # int32: how often the equation ran
+    origin_clock: Any  # int32: clock of the first inf/NaN made from finite inputs
+    first_nonfinite_iteration: Any  # int32: innermost loop iteration, -1 if none
+
+
+EMPTY = Stat(
+    tuple(s.dtype.type(s.initial) for s in STATISTICS), *np.array([0, NEVER, -1], np.int32)
+)
+
+
+def accumulate(old: Stat, stats: Sequence[Any], finite_inputs: Any, clock, iteration) -> Stat:
+    """``old`` after one more run with statistics ``stats``."""
+    nonfinite = stats[NONFINITE] > 0
+    first_origin = nonfinite & finite_inputs & (old.origin_clock == NEVER)
+    first_bad = nonfinite & (old.first_nonfinite_iteration < 0)
+    return Stat(
+        tuple(s.combine(a, b) for s, a, b in zip(STATISTICS, old.measured, stats, strict=True)),
+        old.executions + 1,
+        jnp.where(first_origin, clock, old.origin_clock),
+        jnp.where(first_bad, iteration, old.first_nonfinite_iteration),
+    )
+
+
+def pack(stats: Sequence[Stat]) -> tuple[Any, Any]:
+    """``(float32 [n, f], int32 [n, i])``: per site the float statistics, then the int
+    statistics and the bookkeeping (what loops carry and the program returns)."""
+    if not stats:
+        return jnp.zeros((0, len(_FLOATS)), jnp.float32), jnp.zeros((0, len(_INTS) + 3), jnp.int32)
+    floats = [[jnp.asarray(s.measured[i], jnp.float32) for i in _FLOATS] for s in stats]
+    ints = [[jnp.asarray(v, jnp.int32) for v in _int_row(s)] for s in stats]
+    return jnp.stack([jnp.stack(row) for row in floats]), jnp.stack([jnp.stack(r) for r in ints])
+
+
+def _int_row(stat: Stat) -> list:
+    return [stat.measured[i] for i in _INTS] + list(stat[1:])
+
+
+def unpack_row(floats: Any, ints: Any) -> Stat:
+    """One row of ``pack``'s two arrays as a ``Stat`` (also on host arrays)."""
+    measured: list = [None] * len(STATISTICS)
+    for row, i in enumerate(_FLOATS):
+        measured[i] = floats[row]
+    for row, i in enumerate(_INTS):
+        measured[i] = ints[row]
+    return Stat(tuple(measured), *(ints[len(_INTS) + k] for k in range(3)))

@@ -1,0 +1,55 @@
+"""The numerics statistics table: the reduction, the packing and OpStats derive from it."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+from jaxamp._numerics import _stats
+
+
+def test_every_statistic_fills_an_opstats_field_and_packs_by_dtype():
+    fields = {f.name for f in dataclasses.fields(jaxamp.OpStats)}
+    for stat in _stats.STATISTICS:
+        assert stat.field in fields, stat.name
+        assert stat.dtype in (np.dtype(np.float32), np.dtype(np.int32))
+    floats, ints = _stats.pack([_stats.EMPTY, _stats.EMPTY])
+    n_float = sum(s.dtype == np.float32 for s in _stats.STATISTICS)
+    assert floats.shape == (2, n_float) and floats.dtype == jnp.float32
+    assert ints.shape == (2, len(_stats.STATISTICS) - n_float + 3) and ints.dtype == jnp.int32
+    empty = _stats.pack([])
+    assert empty[0].shape == (0, n_float) and empty[1].shape == (0, ints.shape[1])
+
+
+def test_reduce_output_against_numpy():
+    tiny16 = float(jnp.finfo(jnp.float16).tiny)
+    out = jnp.array([0.0, -3.0, jnp.inf, 1e-6, 5.0, jnp.nan], jnp.float16)
+    # The float32 twin: the flushed 1e-6 and a 0 are normal there; 7 is its largest.
+    shadow = jnp.array([1e-30, -3.0, 7.0, 1e-6, 5.0, 1.0], jnp.float32)
+    local = jnp.array([0.0, -3.0, 7.0, 1e-6, 5.0, 1.0], jnp.float32)  # 0 flushed earlier
+    names = [s.name for s in _stats.STATISTICS]
+    got = dict(zip(names, _stats.reduce_output(out, shadow, local), strict=True))
+    assert float(got["max_abs"]) == 5.0 and float(got["max_abs_float32"]) == 7.0
+    assert int(got["nonfinite"]) == 2
+    small = (np.abs(np.asarray(out, np.float32)) < tiny16) & (np.abs(np.asarray(shadow)) >= 1e-38)
+    assert int(got["lost"]) == int(small.sum()) == 2  # 0 (normal 1e-30 in the twin), 1e-6
+    assert int(got["underflow"]) == 1  # only 1e-6 flushed here
+    assert int(got["saturated"]) == 0
+    fp8 = jnp.array([448.0, -448.0, 1.0], jnp.float8_e4m3fn)
+    saturated = _stats.reduce_output(fp8)[[s.name for s in _stats.STATISTICS].index("saturated")]
+    assert int(saturated) == 2
+
+
+def test_accumulate_and_unpack_row_round_trip():
+    stats = _stats.reduce_output(jnp.array([1.0, jnp.inf], jnp.float32))
+    once = _stats.accumulate(_stats.EMPTY, stats, jnp.bool_(True), 5, 2)
+    twice = _stats.accumulate(once, stats, jnp.bool_(True), 9, 3)
+    assert (int(twice.executions), int(twice.origin_clock)) == (2, 5)
+    assert int(twice.first_nonfinite_iteration) == 2
+    floats, ints = _stats.pack([twice])
+    back = _stats.unpack_row(np.asarray(floats[0]), np.asarray(ints[0]))
+    assert [float(v) for v in back.measured] == [float(v) for v in twice.measured]
+    assert int(back.measured[_stats.NONFINITE]) == 2
+    moved = _stats.moved(stats, np.int32(3))
+    assert [float(v) for v in moved][:3] == [1.0, 1.0, 3.0]
