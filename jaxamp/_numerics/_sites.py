@@ -5,9 +5,9 @@ same sub-jaxprs as the instrumented evaluation (both tables come from the
 engine's skeleton, ``_engine._control.structured_rules``), and lists one
 ``Site`` per floating output of every other equation. A site's key is its
 position (``site_key``): the path of ``(equation index, sub-jaxpr number)``
-pairs that leads to its jaxpr
-(``_engine._visit.sub_path``), then the equation index and output index, so an
-inner jaxpr that two call sites share still gives two sites.
+pairs that leads to its jaxpr (``_engine._visit.sub_path``), then the equation
+index and output index, so an inner jaxpr that two call sites share still gives
+two sites.
 
 The phase comes from data flow, not from names. An equation is ``"forward"`` when
 the program's primal outputs (the loss) depend on it, ``"backward"`` when only the
