@@ -146,3 +146,66 @@ def test_set_policy_bad_arguments():
         jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", [nnx.LayerNorm])
     with pytest.raises(ValueError, match="invalid policy spec"):
         jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", {"head": "fp8"})
+
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(4, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.proj(x)))
+
+
+class Nested(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+        self.decoder = Decoder(rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.decoder(x)
+
+
+@pytest.mark.parametrize("key", ["head", "decoder/head", "decoder.head"])
+def test_set_policy_path_keys_match_nested_modules_at_any_depth(key):
+    model = jaxamp.flax.set_policy(Nested(nnx.Rngs(0)), "mixed_float16", {key: "float32"})
+    assert model.decoder.head.dtype == jnp.float32
+    assert model.decoder.proj.dtype == jnp.float16 and model.blocks[1].dtype == jnp.float16
+    x = jnp.ones((2, 4))
+    assert dot_dtypes(model, x)[-1] == ("float32", "float32")
+
+
+def test_set_policy_deepest_path_wins_and_list_entries_are_addressable():
+    model = jaxamp.flax.set_policy(
+        Nested(nnx.Rngs(0)),
+        "float32",
+        {"decoder": "bfloat16", "decoder/head": "float16", "blocks.1": "bfloat16"},
+    )
+    assert model.decoder.proj.dtype == jnp.bfloat16 and model.decoder.head.dtype == jnp.float16
+    assert model.blocks[0].dtype == jnp.float32 and model.blocks[1].dtype == jnp.bfloat16
+
+
+def test_set_policy_casts_the_model_output_to_the_policy_output_dtype():
+    model = jaxamp.flax.set_policy(Nested(nnx.Rngs(0)), "mixed_float16")
+    assert isinstance(model, Nested) and type(model).__name__ == "Nested"
+    x = jnp.ones((2, 4))
+    assert dot_dtypes(model, x)[-1] == ("float16", "float16")
+    assert model(x).dtype == jnp.float32
+    graphdef, state = nnx.split(model)
+    assert nnx.merge(graphdef, state)(x).dtype == jnp.float32
+    # Setting a policy again replaces the output dtype (no cast stacked on a cast).
+    jaxamp.flax.set_policy(model, "float16")
+    assert model(x).dtype == jnp.float16 and type(model).__mro__[2] is nnx.Module
+
+
+def test_set_policy_unmatched_key_raises_naming_close_paths_and_changes_nothing():
+    model = Nested(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"'hed' \(closest paths: 'decoder/head'"):
+        jaxamp.flax.set_policy(model, "mixed_float16", {"hed": "float32"})
+    assert model.decoder.head.dtype is None and model.blocks[0].dtype is None
+    with pytest.raises(ValueError, match=r"'BatchNorm' \(module classes in the model: .*Linear"):
+        jaxamp.flax.set_policy(model, "mixed_float16", {nnx.BatchNorm: "float32"})
+    with pytest.raises(ValueError, match="'encoder/head'"):
+        jaxamp.flax.set_policy(model, "mixed_float16", {"encoder/head": "float32"})
