@@ -15,6 +15,7 @@ the compiled memory statistics of exactly the step that trains.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import os
@@ -33,6 +34,39 @@ from flax import nnx
 import jaxamp
 
 LossFn = Callable[..., jax.Array]
+
+# The results committed with the repository (refreshed only on request) and, for
+# every other run, a folder under the working directory that git ignores.
+COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("jaxamp-results")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, files: str) -> None:
+    """``--out DIR`` and ``--refresh-committed``: where an example writes ``files``.
+
+    By default an example writes to ``./jaxamp-results/`` so that running it
+    never modifies the repository; ``--refresh-committed`` rewrites the committed
+    results in ``examples/results/``.
+    """
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"folder for {files} (default: {DEFAULT_OUT}/ in the working directory)",
+    )
+    group.add_argument(
+        "--refresh-committed",
+        action="store_true",
+        help="write to examples/results/, replacing the committed results",
+    )
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """The folder the parsed ``--out`` / ``--refresh-committed`` arguments ask for."""
+    if args.refresh_committed:
+        return COMMITTED_RESULTS
+    return args.out if args.out is not None else DEFAULT_OUT
 
 
 def make_train_step(

@@ -162,16 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--learning-rate", type=float, default=digits.LEARNING_RATE, help="Adam's (%(default)g)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=digits.RESULTS,
-        help="folder for underflow.md/.png (default: examples/results)",
-    )
+    _common.add_output_arguments(parser, "underflow.md/.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(args)
     args.steps = args.steps if args.steps is not None else (40 if args.fast else 500)
     args.batch_size = args.batch_size or (32 if args.fast else 128)
     args.setups = [s.strip() for s in args.policies.split(",") if s.strip()]
