@@ -21,7 +21,7 @@ from jaxamp._fp8 import Float8Recipe
 from jaxamp._loss_scaling._finite import all_finite, select_tree
 from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
 from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp._loss_scaling._skip_guard import TooManySkippedSteps
+from jaxamp._loss_scaling._skip_guard import TooManySkippedSteps, check_skips
 from jaxamp._loss_scaling._state import (
     AccumulationState,
     LossScalingState,
@@ -64,6 +64,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "check_skips",
     "get_loss_scale",
     "get_policy",
     "loss_scaling",
