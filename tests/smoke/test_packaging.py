@@ -41,3 +41,11 @@ def test_readme_installs_the_distribution_by_name_and_explains_it():
     assert re.search(r'^pip install "\.\[flax\]"', readme, re.MULTILINE)
     assert "`pip install jaxamp` would install an unrelated project" in readme
     assert not re.search(r"pip install -?e? ?\"?jaxamp[\"\[ \n]", readme)
+
+
+def test_docs_extra_formats_signatures():
+    # mkdocstrings-python formats signatures with ruff (or black) when one is installed.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(re.match(r"(ruff|black)\b", requirement) for requirement in extras["docs"])

@@ -209,3 +209,49 @@ def test_set_policy_unmatched_key_raises_naming_close_paths_and_changes_nothing(
         jaxamp.flax.set_policy(model, "mixed_float16", {nnx.BatchNorm: "float32"})
     with pytest.raises(ValueError, match="'encoder/head'"):
         jaxamp.flax.set_policy(model, "mixed_float16", {"encoder/head": "float32"})
+
+
+def test_orbax_checkpoint_of_an_nnx_optimizer_round_trips_the_loss_scale_configuration(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import flax.serialization
+
+    def build(loss_scale):
+        model = MLP(nnx.Rngs(0))
+        tx = jaxamp.loss_scaling(optax.sgd(0.1), loss_scale)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def checkpoint(model, optimizer):
+        scale = jaxamp.get_loss_scale(optimizer.opt_state)
+        return {
+            "model": nnx.state(model),
+            "optimizer": nnx.state(optimizer),
+            "loss_scale": flax.serialization.to_state_dict(scale),
+        }
+
+    model, optimizer = build(jaxamp.DynamicLossScale(2.0**8, growth_interval=3, growth_factor=4.0))
+    x, y = _data()
+    for _ in range(2):
+        _train_step(model, optimizer, x, y)
+    saved_scale = jaxamp.get_loss_scale(optimizer.opt_state)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", checkpoint(model, optimizer))
+    checkpointer.wait_until_finished()
+
+    # Into a default-built optimizer, nnx.state alone restores the arrays only.
+    plain_model, plain = build(jaxamp.DynamicLossScale())
+    restored = checkpointer.restore(tmp_path / "ckpt", checkpoint(plain_model, plain))
+    nnx.update(plain, restored["optimizer"])
+    assert jaxamp.get_loss_scale(plain.opt_state).growth_interval == 2000
+
+    # The documented route: the configuration comes from the checkpoint.
+    stored = checkpointer.restore(tmp_path / "ckpt")["loss_scale"]
+    loss_scale = flax.serialization.from_state_dict(jaxamp.DynamicLossScale(), stored)
+    model2, optimizer2 = build(loss_scale)
+    restored = checkpointer.restore(tmp_path / "ckpt", checkpoint(model2, optimizer2))
+    nnx.update(model2, restored["model"])
+    nnx.update(optimizer2, restored["optimizer"])
+    scale = jaxamp.get_loss_scale(optimizer2.opt_state)
+    assert (scale.growth_interval, scale.growth_factor) == (3, 4.0)
+    assert bits(scale.loss_scale) == bits(saved_scale.loss_scale)
+    assert int(scale.counter) == int(saved_scale.counter) == 2
+    assert bits(nnx.state(model2)) == bits(nnx.state(model))  # the params too
