@@ -250,7 +250,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
         steps = np.arange(1, len(hist["loss"]) + 1)
         style = {"label": name, "color": _common.COLORS.get(name)}
         ax_loss.plot(steps, _common.smooth(hist["loss"], 20), **style)
-        ax_scale.plot(steps, hist["loss_scale"], **style)
+    _common.plot_loss_scales(ax_scale, histories)
     ax_loss.set(xlabel="step", ylabel="train loss (moving average of 20)", yscale="log")
     ax_loss.set_title("loss")
     ax_scale.set(xlabel="step", ylabel="loss scale used", yscale="log")

@@ -138,7 +138,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
         style = {"label": name, "color": _common.COLORS.get(name)}
         axes[0].plot(steps, _common.smooth(hist["loss"], 20), **style)
         axes[1].plot(steps, 100 * hist["zero_fraction"], **style)
-        axes[2].plot(steps, hist["loss_scale"], **style)
+    _common.plot_loss_scales(axes[2], histories)
     axes[0].set(xlabel="step", ylabel="train loss / weight (moving average of 20)")
     axes[0].set_title("loss")
     axes[1].set(xlabel="step", ylabel="% of gradient entries exactly 0", ylim=(-2, 102))

@@ -319,3 +319,24 @@ def test_fp8_fidelity_fast_runs_an_fp8_recipe_next_to_bfloat16(tmp_path):
     table = (tmp_path / "fp8_fidelity.md").read_text()
     assert "| autocast_fp8_rowwise | 1 |" in table
     assert len((tmp_path / "fp8_fidelity.jsonl").read_text().splitlines()) == 2
+
+
+def test_loss_scale_plot_draws_setups_with_the_same_constant_scale_as_one_line():
+    common = importlib.import_module("_common")
+    plt = common.use_agg_backend()
+    ones, growing = np.ones(4), np.array([2.0**15, 2.0**15, 2.0**16, 2.0**16])
+    histories = {
+        "float32": {"loss_scale": ones},
+        "mixed_bfloat16": {"loss_scale": ones},
+        "mixed_float16": {"loss_scale": growing},
+        "mixed_float16_suggested_scale": {"loss_scale": np.full(4, 2.0**37)},
+    }
+    fig, ax = plt.subplots()
+    common.plot_loss_scales(ax, histories)
+    labels = sorted(line.get_label() for line in ax.get_lines())
+    plt.close(fig)
+    assert labels == [
+        "float32, mixed_bfloat16: scale 1",
+        "mixed_float16",
+        "mixed_float16_suggested_scale",
+    ]
