@@ -99,6 +99,8 @@ def _cast_output(model: nnx.Module, output_dtype: Any) -> None:
     whose ``__call__`` casts. Setting a policy again replaces the subclass.
     """
     base = getattr(type(model), "_jaxamp_base_class", type(model))
+    if not any("__call__" in vars(cls) for cls in base.__mro__[:-1]):
+        return  # a model used through its methods only: nothing to cast
     key = (base, np.dtype(output_dtype))
     if key not in _OUTPUT_CLASSES:
 
