@@ -43,11 +43,13 @@ def run(main, argv):
 
 
 def git_status() -> str | None:
-    """``git status --porcelain`` of the checkout, or None outside a git checkout."""
+    """``git status`` of ``examples/`` (where results were written), or None outside git.
+
+    Only ``examples/``: an edit elsewhere while the tests run is not the example's doing.
+    """
+    command = ["git", "status", "--porcelain", "--untracked-files=all", "--", "examples"]
     try:
-        done = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True
-        )
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
     return done.stdout
