@@ -269,7 +269,7 @@ def summarize(record) -> dict[str, float]:
 def plot_underflow(record, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     steps = record["step"]
     left.plot(steps, [100 * s for s in record["share_unscaled"]], label="float16, no loss scaling")
     left.plot(
@@ -280,7 +280,8 @@ def plot_underflow(record, path: Path) -> None:
     left.set_xlabel("training step")
     left.set_ylabel("% of non-zero f32 gradient entries\nthat are exactly 0 in float16")
     left.set_title("Gradient underflow in a real run (digits MLP)", fontsize=10)
-    left.legend(fontsize=8)
+    # Below the axes: inside them the legend would hide part of a curve.
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     left.grid(alpha=0.3)
 
     # Entries below 2^-50 are few; clip them into the first bin to keep the axis readable.
@@ -290,26 +291,21 @@ def plot_underflow(record, path: Path) -> None:
     right.hist(log2, bins=bins, alpha=0.7, label="float32 gradients")
     right.hist(log2 + scale_log2, bins=bins, alpha=0.5, label=f"x loss scale 2^{scale_log2:.0f}")
     f16 = jnp.finfo(jnp.float16)
-    for value, text in (
-        (f16.smallest_subnormal, "f16 smallest subnormal 2^-24"),
-        (f16.smallest_normal, "f16 smallest normal 2^-14"),
-        (f16.max, "f16 max 65504"),
+    # The labels sit in headroom above the tallest bar, each at its own height,
+    # so that none covers a bar or another label.
+    peak = right.get_ylim()[1]
+    right.set_ylim(top=peak * 1.55)
+    for value, text, height, align in (
+        (f16.smallest_subnormal, "f16 smallest subnormal 2^-24 ", 1.42, "right"),
+        (f16.smallest_normal, "f16 smallest normal 2^-14 ", 1.24, "right"),
+        (f16.max, "f16 max 65504 ", 1.42, "right"),
     ):
         right.axvline(math.log2(float(value)), color="k", linestyle="--", linewidth=0.8)
-        right.text(
-            math.log2(float(value)),
-            right.get_ylim()[1] * 0.97,
-            text,
-            rotation=90,
-            ha="right",
-            va="top",
-            fontsize=7,
-            bbox={"facecolor": "white", "alpha": 0.6, "edgecolor": "none", "pad": 1},
-        )
+        right.text(math.log2(float(value)), peak * height, text, ha=align, va="center", fontsize=7)
     right.set_xlabel("log2 |gradient entry| at the last probe (below -50 shown at -50)")
     right.set_ylabel("entries")
     right.set_title("Loss scaling shifts gradients into float16's range", fontsize=10)
-    right.legend(fontsize=8, loc="center left")
+    right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -15,6 +15,7 @@ the compiled memory statistics of exactly the step that trains.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import os
@@ -33,6 +34,39 @@ from flax import nnx
 import jaxamp
 
 LossFn = Callable[..., jax.Array]
+
+# The results committed with the repository (refreshed only on request) and, for
+# every other run, a folder under the working directory that git ignores.
+COMMITTED_RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("jaxamp-results")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, files: str) -> None:
+    """``--out DIR`` and ``--refresh-committed``: where an example writes ``files``.
+
+    By default an example writes to ``./jaxamp-results/`` so that running it
+    never modifies the repository; ``--refresh-committed`` rewrites the committed
+    results in ``examples/results/``.
+    """
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"folder for {files} (default: {DEFAULT_OUT}/ in the working directory)",
+    )
+    group.add_argument(
+        "--refresh-committed",
+        action="store_true",
+        help="write to examples/results/, replacing the committed results",
+    )
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """The folder the parsed ``--out`` / ``--refresh-committed`` arguments ask for."""
+    if args.refresh_committed:
+        return COMMITTED_RESULTS
+    return args.out if args.out is not None else DEFAULT_OUT
 
 
 def make_train_step(
@@ -276,14 +310,57 @@ def use_agg_backend() -> Any:
 
 
 def finish_figure(fig: Any, axes: Sequence[Any], title: str, path: Path) -> None:
-    """Grid and legend on every axis, a title, then save ``fig`` to ``path`` and close it."""
+    """Grids, one legend below the plots, a title; then save ``fig`` to ``path`` and close it.
+
+    The legend lists each label once and sits outside the axes, where it cannot
+    hide a curve.
+    """
+    entries: dict[str, Any] = {}
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    columns = min(len(entries), 3)
+    rows = -(-len(entries) // columns) if entries else 0
+    if entries:
+        fig.legend(
+            list(entries.values()), list(entries), loc="lower center", ncol=columns, fontsize=8
+        )
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.045 * rows, 1, 1))
     fig.savefig(path, dpi=110)
     use_agg_backend().close(fig)
+
+
+def constant_groups(
+    histories: dict[str, dict[str, np.ndarray]], key: str
+) -> dict[float, list[str]]:
+    """Setups whose ``key`` series is one value throughout, grouped by that value."""
+    groups: dict[float, list[str]] = {}
+    for name, hist in histories.items():
+        values = np.asarray(hist[key])
+        if values.size and np.all(values == values[0]):
+            groups.setdefault(float(values[0]), []).append(name)
+    return groups
+
+
+def plot_loss_scales(ax: Any, histories: dict[str, dict[str, np.ndarray]]) -> None:
+    """Each setup's loss scale; setups with the same constant scale as one labelled line.
+
+    Four setups at a scale of 1 would otherwise draw four lines on top of each
+    other, showing only the last one's colour.
+    """
+    constant = constant_groups(histories, "loss_scale")
+    merged = {name for names in constant.values() for name in names}
+    for name, hist in histories.items():
+        steps = np.arange(1, len(hist["loss_scale"]) + 1)
+        if name not in merged:
+            ax.plot(steps, hist["loss_scale"], label=name, color=COLORS.get(name))
+    for value, names in constant.items():
+        steps = np.arange(1, len(histories[names[0]]["loss_scale"]) + 1)
+        style = {"color": COLORS.get(names[0]) if len(names) == 1 else "0.35", "linestyle": "--"}
+        label = f"{', '.join(names)}: scale {value:g}" if len(names) > 1 else names[0]
+        ax.plot(steps, np.full(len(steps), value), label=label, **style)
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:

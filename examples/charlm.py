@@ -51,8 +51,6 @@ import jaxamp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # the examples folder is not a package: import by path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 # A fixed, sorted selection: small and mid-sized pure-Python modules (~680 kB).
 STDLIB_FILES = (
     "abc.py",
@@ -378,16 +376,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt", default="def ", help="start of the generated sample")
     parser.add_argument("--sample-chars", type=int, default=200)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=RESULTS,
-        help="folder for charlm.md/.png (default: examples/results)",
-    )
+    _common.add_output_arguments(parser, "charlm.md/.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action="store_true", help="a tiny model, a few steps (tests)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(args)
     fast = {"steps": 12, "batch_size": 4, "context": 16, "width": 32, "layers": 1, "eval_every": 6}
     full = {"steps": 600, "batch_size": 32, "context": 64, "width": 128, "layers": 2}
     full["eval_every"] = 50

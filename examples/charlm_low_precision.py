@@ -178,10 +178,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-windows", type=int, default=64, help="validation sequences")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per mode (3; --fast: 1)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"from: {', '.join(MODES)}")
-    parser.add_argument("--out", type=Path, default=charlm.RESULTS, help="results folder")
+    _common.add_output_arguments(parser, "charlm_low_precision.md/.png")
     parser.add_argument("--fast", action="store_true", help="a tiny model, a few steps (tests)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(args)
     fast = {"steps": 6, "batch_size": 4, "context": 16, "width": 32, "layers": 1}
     full = {"steps": 500, "batch_size": 16, "context": 64, "width": 64, "layers": 2}
     fast.update(eval_every=3, seeds=1)

@@ -17,8 +17,10 @@ batches, under five precision setups, each over several seeds (mean +- std):
 It prints one table row per setup (test accuracy, final loss, skipped steps,
 final loss scale, compiled train-step memory, activation memory, step time) and
 writes the table (``digits.md``) and a PNG of the loss curves and loss-scale
-trajectories (``digits.png``) to ``--out``. ``--fast`` is the few-step mode the
-tests run. The defaults (3 seeds, 600 steps) take about 3 minutes on 2 CPU cores.
+trajectories (``digits.png``) to ``--out`` (default ``./jaxamp-results/``;
+``--refresh-committed`` for the committed ``examples/results/``). ``--fast`` is
+the few-step mode the tests run. The defaults (3 seeds, 600 steps) take about
+3 minutes on 2 CPU cores.
 One seed's numbers are noise as much as signal: compare setups by the mean and
 the spread over seeds.
 
@@ -52,8 +54,6 @@ import jaxamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # the examples folder is not a package: import by path
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # setup name -> (policy preset of the layers, whether it uses dynamic loss scaling)
 SETUPS: dict[str, tuple[str, bool]] = {
@@ -250,7 +250,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
         steps = np.arange(1, len(hist["loss"]) + 1)
         style = {"label": name, "color": _common.COLORS.get(name)}
         ax_loss.plot(steps, _common.smooth(hist["loss"], 20), **style)
-        ax_scale.plot(steps, hist["loss_scale"], **style)
+    _common.plot_loss_scales(ax_scale, histories)
     ax_loss.set(xlabel="step", ylabel="train loss (moving average of 20)", yscale="log")
     ax_loss.set_title("loss")
     ax_scale.set(xlabel="step", ylabel="loss scale used", yscale="log")
@@ -270,12 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(DEFAULT_SETUPS),
         help=f"comma-separated setups, from: {', '.join(SETUPS)} (default: the first five)",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=RESULTS,
-        help="folder for digits.md/.png (default: examples/results)",
-    )
+    _common.add_output_arguments(parser, "digits.md/.png")
     parser.add_argument("--seed", type=int, default=0, help="first seed (weights, batches)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per setup (3; --fast: 1)")
     parser.add_argument(
@@ -284,6 +279,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(args)
     args.steps = args.steps if args.steps is not None else (60 if args.fast else 600)
     args.seeds = args.seeds if args.seeds is not None else (1 if args.fast else 3)
     args.batch_size = args.batch_size or (32 if args.fast else 128)

@@ -29,7 +29,6 @@ import _common  # the examples folder is not a package: import by path
 import charlm
 import digits
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SETUPS = ("float32", "autocast_bfloat16", *charlm.FP8_SETUPS)
 BASELINE = "autocast_bfloat16"
 
@@ -111,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--charlm-context", type=int, default=64)
     parser.add_argument("--digits-steps", type=int, default=300)
     parser.add_argument("--digits-batch", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    _common.add_output_arguments(parser, "fp8_fidelity.md/.jsonl")
     parser.add_argument("--fast", action="store_true", help="one tiny run per setup (tests)")
     parser.add_argument(
         "--from-log",
@@ -121,6 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write the tables from these fp8_fidelity.jsonl files instead of training",
     )
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(args)
     if args.fast:
         args.seeds, args.charlm_steps, args.charlm_width, args.charlm_layers = 1, 4, 32, 1
         args.charlm_batch, args.charlm_context, args.digits_steps, args.digits_batch = 4, 16, 4, 16

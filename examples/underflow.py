@@ -138,7 +138,7 @@ def plot(histories: dict[str, dict[str, np.ndarray]], path: Path, title: str) ->
         style = {"label": name, "color": _common.COLORS.get(name)}
         axes[0].plot(steps, _common.smooth(hist["loss"], 20), **style)
         axes[1].plot(steps, 100 * hist["zero_fraction"], **style)
-        axes[2].plot(steps, hist["loss_scale"], **style)
+    _common.plot_loss_scales(axes[2], histories)
     axes[0].set(xlabel="step", ylabel="train loss / weight (moving average of 20)")
     axes[0].set_title("loss")
     axes[1].set(xlabel="step", ylabel="% of gradient entries exactly 0", ylim=(-2, 102))
@@ -162,16 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--learning-rate", type=float, default=digits.LEARNING_RATE, help="Adam's (%(default)g)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=digits.RESULTS,
-        help="folder for underflow.md/.png (default: examples/results)",
-    )
+    _common.add_output_arguments(parser, "underflow.md/.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fast", action="store_true", help="a few steps (what the tests run)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    args.out = _common.output_dir(args)
     args.steps = args.steps if args.steps is not None else (40 if args.fast else 500)
     args.batch_size = args.batch_size or (32 if args.fast else 128)
     args.setups = [s.strip() for s in args.policies.split(",") if s.strip()]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from typing import Any
 
 import jax
@@ -173,9 +175,44 @@ _PRESETS = {
 }
 
 
+def _suggestion(spec: str) -> str:
+    """A sentence pointing at what ``spec`` probably meant ("" when nothing is close)."""
+    text = spec.strip().lower().replace(" ", "").replace("-", "_")
+    if re.search(r"(fp|float|f)8|e4m3|e5m2", text):
+        return (
+            " FP8 is not a policy of params and layers but an autocast recipe: "
+            "jaxamp.autocast(fn, 'mixed_float8') (or jaxamp.autocast(fn, jaxamp.Float8Recipe())) "
+            "runs fn's matmuls and convolutions in FP8."
+        )
+    if "=" in text:
+        return _pair_suggestion(text)
+    close = difflib.get_close_matches(_spelled(text), [*_PRESETS, *DTYPE_ALIASES], n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _spelled(text: str) -> str:
+    """``"mixed_fp16"`` -> ``"mixed_float16"``, ``"bf16"`` -> ``"bfloat16"``."""
+    return re.sub(
+        r"b?fp?(16|32|64)", lambda m: ("bfloat" if m[0][0] == "b" else "float") + m[1], text
+    )
+
+
+def _pair_suggestion(text: str) -> str:
+    """For ``key=dtype`` pairs: the closest key or dtype to the first one that is unknown."""
+    for part in text.split(","):
+        key, _, name = part.partition("=")
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS), n=1, cutoff=0.6)
+            return f" Did you mean {close[0]!r} (not {key!r})?" if close else ""
+        if name not in DTYPE_ALIASES:
+            close = difflib.get_close_matches(_spelled(name), list(DTYPE_ALIASES), n=1, cutoff=0.6)
+            return f" Did you mean {key}={close[0]}?" if close else ""
+    return ""
+
+
 def _bad_spec(spec: str, why: str) -> ValueError:
     return ValueError(
-        f"invalid policy spec {spec!r}: {why}. Valid forms: a preset "
+        f"invalid policy spec {spec!r}: {why}.{_suggestion(spec)} Valid forms: a preset "
         f"({', '.join(_PRESETS)}), a bare dtype name, or comma-separated "
         f"key=dtype pairs such as 'params=float32,compute=bfloat16,output=float32' "
         f"with keys {'|'.join(_KEYS)} and dtypes {'|'.join(DTYPE_ALIASES)}."

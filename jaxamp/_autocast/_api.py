@@ -102,6 +102,8 @@ def autocast(
     >>> jaxamp.precision_report(jaxamp.autocast(layer), w, x).flops_by_dtype
     {'bfloat16': 48}
     """
+    if isinstance(fun, (str, Policy, Float8Recipe)):
+        raise TypeError(f"fun must be the function to run; got {fun!r}. {_ONE_LINE}")
     check_callable(fun)
     policy, recipe = resolve(policy)  # recipe: "mixed_float8" or a Float8Recipe (FP8 matmuls)
     table = rule_table(rules)
@@ -128,4 +130,37 @@ def autocast(
         ]
         return jax.tree.unflatten(out_tree, flat)
 
-    return autocast_fun
+    return _AutocastFunction(fun, autocast_fun)
+
+
+_ONE_LINE = (
+    "jaxamp.autocast wraps a function (torch's `with autocast(...):` block is one line "
+    "here): fast = jaxamp.autocast(loss_fn, 'mixed_bfloat16'), then call fast(params, batch) "
+    "or jax.value_and_grad(fast)(params, batch)."
+)
+
+
+class _AutocastFunction:
+    """What ``autocast`` returns: ``fun``'s rewritten version, a plain callable.
+
+    A class rather than a closure only so that ``with jaxamp.autocast(fun):``
+    (the torch habit) gets a message that shows the one-line form instead of
+    Python's generic context-manager error.
+    """
+
+    def __init__(self, fun: Callable, call: Callable):
+        functools.update_wrapper(self, fun)
+        self._call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        # Bound like a function when stored as a class attribute.
+        return self if obj is None else functools.partial(self, obj)
+
+    def __enter__(self) -> None:
+        raise TypeError(f"jaxamp.autocast(...) is not a context manager. {_ONE_LINE}")
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

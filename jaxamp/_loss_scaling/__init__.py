@@ -11,7 +11,7 @@ from jaxamp._loss_scaling._scales import (
     NoOpLossScale,
     StaticLossScale,
 )
-from jaxamp._loss_scaling._skip_guard import TooManySkippedSteps
+from jaxamp._loss_scaling._skip_guard import TooManySkippedSteps, check_skips
 from jaxamp._loss_scaling._state import (
     AccumulationState,
     LossScalingState,
@@ -31,6 +31,7 @@ __all__ = [
     "StaticLossScale",
     "TooManySkippedSteps",
     "all_finite",
+    "check_skips",
     "get_loss_scale",
     "loss_scaling",
     "loss_scaling_metrics",

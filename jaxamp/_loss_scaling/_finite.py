@@ -12,29 +12,38 @@ they are" (the finite check).
 
 from __future__ import annotations
 
+import cmath
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["all_finite", "check_finite_flag", "select", "select_tree"]
+__all__ = ["all_finite", "check_finite_flag", "check_float_grads", "select", "select_tree"]
 
 
 def all_finite(tree: Any) -> jax.Array:
     """True when every floating leaf of ``tree`` is free of inf and NaN.
 
-    Integer, bool and non-array leaves count as finite; an empty tree is finite.
+    Python ``float`` and ``complex`` leaves are checked too (on the host: they
+    are constants). Integer, bool and other non-array leaves count as finite; an
+    empty tree is finite.
 
     >>> import jax.numpy as jnp, jaxamp
     >>> jaxamp.all_finite({"a": jnp.ones(3), "n": jnp.int32(7)})
     Array(True, dtype=bool)
     >>> jaxamp.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])])
     Array(False, dtype=bool)
+    >>> jaxamp.all_finite({"a": float("nan")})
+    Array(False, dtype=bool)
     """
     flags = []
     small_by_dtype: dict[np.dtype, list[Any]] = {}
     for x in jax.tree.leaves(tree):
+        if isinstance(x, (float, complex)):
+            if not cmath.isfinite(x):
+                return jnp.asarray(False)
+            continue
         if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
             continue
         if np.size(x) >= _OWN_REDUCTION_ELEMENTS:
@@ -74,6 +83,27 @@ def _groups(leaves: list[Any]) -> list[list[Any]]:
         groups[-1].append(x)
         size += x.size
     return groups
+
+
+def check_float_grads(grads: Any, name: str = "grads") -> None:
+    """Raises TypeError naming the first integer or bool leaf of ``grads``.
+
+    A gradient is floating: an integer leaf is a label, a step counter or a
+    mask passed where gradients belong (``jax.grad`` of an integer input is
+    ``float0``, which passes). Refused here, it is named; let through, it failed
+    later in a select with no leaf path, or was silently accepted.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and (
+            jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
+        ):
+            raise TypeError(
+                f"{name} must be floating (gradients of the scaled loss); the leaf at "
+                f"{jax.tree_util.keystr(path) or '(the root)'} has dtype {dtype}. Pass "
+                "only the gradients of floating params (nnx.Optimizer(..., wrt=nnx.Param) "
+                "does), not integer state, counters or labels."
+            )
 
 
 def check_finite_flag(flag: Any, name: str = "grads_finite") -> jax.Array:

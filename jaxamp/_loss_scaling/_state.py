@@ -43,6 +43,9 @@ class LossScalingState(NamedTuple):
         0 after a finite step.
       accumulation: an :class:`AccumulationState` when ``accumulation_steps > 1``,
         else ``None``.
+      skip_limit: ``max_consecutive_skips`` (int32) when ``loss_scaling`` was given
+        one, else ``None``; :func:`jaxamp.check_skips` compares it with
+        ``consecutive_skips`` outside ``jit``.
     """
 
     loss_scale: Any
@@ -50,6 +53,7 @@ class LossScalingState(NamedTuple):
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
     accumulation: AccumulationState | None = None
+    skip_limit: jax.Array | None = None
 
 
 def loss_scaling_states(opt_state: Any) -> list[LossScalingState]:

@@ -11,9 +11,13 @@ import optax
 
 from jaxamp._casting import is_floating, widen
 from jaxamp._checks import check_transformation, is_int
-from jaxamp._loss_scaling._finite import all_finite, select, select_tree
+from jaxamp._loss_scaling._finite import all_finite, check_float_grads, select, select_tree
 from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale
-from jaxamp._loss_scaling._skip_guard import check_max_consecutive_skips, guard_consecutive_skips
+from jaxamp._loss_scaling._skip_guard import (
+    check_max_consecutive_skips,
+    skip_limit,
+    warn_at_skip_limit,
+)
 from jaxamp._loss_scaling._state import AccumulationState, LossScalingState
 
 __all__ = ["loss_scaling", "raw_grads_checkable"]
@@ -138,10 +142,11 @@ def loss_scaling(
         grads of replicated params in the backward pass: keep ``None`` (the
         default) there and ``lax.pmean`` the loss instead.
       accumulation_steps: micro-batches per optimizer step (default 1).
-      max_consecutive_skips: opt-in guard: once this many steps in a row were
-        skipped, raise :class:`jaxamp.TooManySkippedSteps` from a host callback
-        (inside jit JAX reports it as a ``JaxRuntimeError`` at the next sync)
-        instead of skipping silently forever. ``None`` (default) never raises.
+      max_consecutive_skips: opt-in guard against skipping silently forever:
+        once this many steps in a row were skipped, the step warns (a
+        ``RuntimeWarning``, from a host callback that only that step makes) and
+        :func:`jaxamp.check_skips` called on the state outside ``jit`` raises
+        :class:`jaxamp.TooManySkippedSteps`. ``None`` (default): no guard.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -167,11 +172,12 @@ def loss_scaling(
             accumulation = _init_accumulation(params)
         # Copies, so that donating the state never deletes the user's scale.
         scale = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
-        inner_state = config.inner.init(params)
-        return LossScalingState(scale, inner_state, _zero_count(), _zero_count(), accumulation)
+        inner, limit = config.inner.init(params), skip_limit(config.max_consecutive_skips)
+        return LossScalingState(scale, inner, _zero_count(), _zero_count(), accumulation, limit)
 
     def update_fn(updates, state, params=None, **extra_args):
         _check_state(state)
+        check_float_grads(updates, "updates (the gradients)")
         single = config.accumulation_steps == 1
         keep_dtype = single and not config.float32_grads
         grads = _unscale(updates, state.loss_scale, config, keep_dtype=keep_dtype)
@@ -183,11 +189,7 @@ def loss_scaling(
                 config, grads, updates, finite, state, params, extra_args
             )
         if config.max_consecutive_skips is not None:
-            guard_consecutive_skips(
-                new_state.consecutive_skips,
-                new_state.loss_scale.loss_scale,
-                config.max_consecutive_skips,
-            )
+            warn_at_skip_limit(new_state, config.max_consecutive_skips)
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -349,6 +351,7 @@ def _accumulate(
         inner_state=inner_state,
         skipped_steps=select(end, stepped.skipped_steps, state.skipped_steps),
         consecutive_skips=select(end, stepped.consecutive_skips, state.consecutive_skips),
+        skip_limit=state.skip_limit,
     )
     accumulation = AccumulationState(
         mini_step=select(end, jnp.zeros_like(acc.mini_step), acc.mini_step + 1),
@@ -406,4 +409,5 @@ def _next_state(state: LossScalingState, finite: jax.Array, inner_state: Any) ->
         skipped_steps=select(finite, state.skipped_steps, skipped),
         consecutive_skips=select(finite, jnp.zeros_like(consecutive), consecutive),
         accumulation=state.accumulation,
+        skip_limit=state.skip_limit,
     )

@@ -22,7 +22,7 @@ from jaxamp._loss_scaling import (
     select,
 )
 from jaxamp._resolve import resolve
-from jaxamp.flax._overrides import normalize_overrides, policy_for
+from jaxamp.flax._overrides import check_all_matched, normalize_overrides, policy_for
 
 __all__ = ["LossScaledTrainState", "linen_policy"]
 
@@ -103,12 +103,22 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Any] | None = None) -> Ite
     Inside the context, each module with a ``dtype`` field runs with its
     policy's compute dtype, its floating inputs cast to it, and (for modules
     with ``param_dtype``) creates its params in the policy's ``param_dtype``.
-    Its policy is the first matching override (a path like ``"head"``, matched
-    against the module's scope path, then a class like ``nn.LayerNorm``) or,
-    for modules whose ``dtype`` was left at ``None``, ``policy``. Modules built
-    with an explicit ``dtype`` keep it unless an override names them. Built on
+    Its policy is the matching override's or, for modules whose ``dtype`` was
+    left at ``None``, ``policy``. Modules built with an explicit ``dtype`` keep
+    it unless an override names them: a model that passes ``dtype=jnp.float32``
+    to every layer (as Flax's lm1b and imagenet examples do) is unchanged; use
+    :func:`jaxamp.autocast` on its apply function instead, which needs no
+    change to the model. The root module's output (what ``model.apply``
+    returns) is cast to ``policy.output_dtype``. Built on
     ``flax.linen.intercept_methods``: wrap both ``init`` and ``apply`` (inside
     or outside ``jax.jit``).
+
+    Override keys match as in :func:`jaxamp.flax.set_policy`: a path string
+    (``"head"``, ``"decoder/head"`` or ``"decoder.head"``) names a module at any
+    depth of its scope path, and everything inside it; a class such as
+    ``nn.LayerNorm`` its instances. When the context closes, a key that matched
+    none of the modules that ran raises ValueError naming the closest paths
+    (not checked when no module ran: a jitted call traced earlier runs none).
 
     Args:
       policy: anything :func:`jaxamp.autocast` accepts; a ``jaxamp.Float8Recipe``
@@ -128,32 +138,59 @@ def linen_policy(policy: Any, overrides: Mapping[Any, Any] | None = None) -> Ite
     """
     default, _ = resolve(policy)  # a Float8Recipe: its 16-bit policy
     pairs = normalize_overrides(overrides)
+    seen: dict[tuple[type, tuple[str, ...]], tuple[Any, tuple[str, ...]]] = {}
+    root_calls = [0]
 
     def interceptor(next_fun, args, kwargs, context):
         module = context.module
-        if not hasattr(module, "dtype") or context.method_name == "setup":
+        if context.method_name == "setup":
             return next_fun(*args, **kwargs)
-        path = "/".join(module.scope.path) if module.scope is not None else ""
-        chosen = policy_for(module, path, None, pairs)
-        if chosen is None:
-            if module.dtype is not None:
-                return next_fun(*args, **kwargs)
-            chosen = default
-        fields = {"dtype": chosen.compute_dtype}
-        if hasattr(module, "param_dtype"):
-            fields["param_dtype"] = chosen.param_dtype
-        saved = {name: getattr(module, name) for name in fields}
-        # Linen modules are frozen dataclasses; the fields are set for this call
-        # only and restored after it, so the module object is unchanged outside.
-        for name, value in fields.items():
-            object.__setattr__(module, name, value)
+        path = tuple(module.scope.path) if module.scope is not None else ()
+        seen.setdefault((type(module), path), (module, path))
+        if path:
+            return _call_module(module, path, default, pairs, next_fun, args, kwargs)
+        root_calls[0] += 1
         try:
-            # Inputs too: "LayerNorm in float32" means its statistics see float32.
-            args, kwargs = cast_floating((args, kwargs), chosen.compute_dtype)
-            return next_fun(*args, **kwargs)
+            out = _call_module(module, path, default, pairs, next_fun, args, kwargs)
         finally:
-            for name, value in saved.items():
-                object.__setattr__(module, name, value)
+            root_calls[0] -= 1
+        # The outermost root call is what apply returns; a root method calling
+        # another root method keeps the inner value as it is.
+        return cast_floating(out, default.output_dtype) if root_calls[0] == 0 else out
 
     with nn.intercept_methods(interceptor):
         yield
+    # Nothing seen: every call hit a jit cache (traced in an earlier context), nothing to check.
+    if seen:
+        check_all_matched(pairs, seen.values())
+
+
+def _call_module(module, path, default, pairs, next_fun, args, kwargs):
+    """Calls one module method under its policy (modules without ``dtype`` run as they are)."""
+    if not hasattr(module, "dtype"):
+        return next_fun(*args, **kwargs)
+    chosen = policy_for(module, path, None, pairs)
+    if chosen is None:
+        if module.dtype is not None:
+            return next_fun(*args, **kwargs)
+        chosen = default
+    return _call_with_policy(module, chosen, next_fun, args, kwargs)
+
+
+def _call_with_policy(module, chosen, next_fun, args, kwargs):
+    """Calls one module method with its ``dtype`` (and ``param_dtype``) set to ``chosen``'s."""
+    fields = {"dtype": chosen.compute_dtype}
+    if hasattr(module, "param_dtype"):
+        fields["param_dtype"] = chosen.param_dtype
+    saved = {name: getattr(module, name) for name in fields}
+    # Linen modules are frozen dataclasses; the fields are set for this call
+    # only and restored after it, so the module object is unchanged outside.
+    for name, value in fields.items():
+        object.__setattr__(module, name, value)
+    try:
+        # Inputs too: "LayerNorm in float32" means its statistics see float32.
+        args, kwargs = cast_floating((args, kwargs), chosen.compute_dtype)
+        return next_fun(*args, **kwargs)
+    finally:
+        for name, value in saved.items():
+            object.__setattr__(module, name, value)

@@ -23,13 +23,66 @@ def _traced(fn):
     return lambda: jax.jit(fn)(jnp.int32(8))
 
 
+def _autocast_as_context_manager():
+    with jaxamp.autocast(jnp.sin):
+        pass
+
+
+def _integer_grads_update():
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    params = {"w": jnp.ones(3), "count": jnp.int32(0)}
+    tx.update({"w": jnp.ones(3), "count": jnp.int32(1)}, tx.init(params), params)
+
+
 # (what the user wrote, the call, error type, fragments the message must contain)
 CASES = [
+    (
+        'get_policy("mixed_fp16")',
+        lambda: jaxamp.get_policy("mixed_fp16"),
+        ValueError,
+        ["'mixed_fp16'", "Did you mean 'mixed_float16'?"],
+    ),
+    (
+        'get_policy("mixed_float8")',
+        lambda: jaxamp.get_policy("mixed_float8"),
+        ValueError,
+        ["FP8 is not a policy", "jaxamp.autocast(fn, 'mixed_float8')", "Float8Recipe"],
+    ),
+    (
+        'get_policy("c=fp16")',
+        lambda: jaxamp.get_policy("c=fp16"),
+        ValueError,
+        ["unknown dtype 'fp16'", "Did you mean c=float16?"],
+    ),
+    (
+        "with jaxamp.autocast(f):",
+        _autocast_as_context_manager,
+        TypeError,
+        ["not a context manager", "jaxamp.autocast(loss_fn, 'mixed_bfloat16')"],
+    ),
+    (
+        'with jaxamp.autocast("mixed_bfloat16"):',
+        lambda: jaxamp.autocast("mixed_bfloat16"),
+        TypeError,
+        ["fun must be the function to run", "jaxamp.autocast(loss_fn, 'mixed_bfloat16')"],
+    ),
+    (
+        "tx.update(grads_with_an_int32_leaf, state, params)",
+        _integer_grads_update,
+        TypeError,
+        ["the leaf at ['count'] has dtype int32", "floating"],
+    ),
+    (
+        "check_skips(state_without_a_limit)",
+        lambda: jaxamp.check_skips(jaxamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(1)})),
+        ValueError,
+        ["max_consecutive_skips=N"],
+    ),
     (
         'get_policy("mixed_bf16")',
         lambda: jaxamp.get_policy("mixed_bf16"),
         ValueError,
-        ["mixed_bf16", "mixed_bfloat16", "bf16", "params"],
+        ["mixed_bf16", "Did you mean 'mixed_bfloat16'?", "bf16", "params"],
     ),
     (
         'get_policy("c=int8")',

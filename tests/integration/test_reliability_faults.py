@@ -138,10 +138,10 @@ def test_inject_fault_bad_input(call, error, fragment):
         call()
 
 
-def _guarded_run(limit, faulty_steps, total, accumulation_steps=1):
+def _guarded_run(limit, faulty_steps, total, accumulation_steps=1, loss_scale=None):
     tx = jaxamp.loss_scaling(
         optax.sgd(0.1),
-        jaxamp.DynamicLossScale(loss_scale=2.0**4),
+        loss_scale or jaxamp.DynamicLossScale(loss_scale=2.0**4),
         max_consecutive_skips=limit,
         accumulation_steps=accumulation_steps,
     )
@@ -151,15 +151,41 @@ def _guarded_run(limit, faulty_steps, total, accumulation_steps=1):
     for i in range(total):
         grads = {"w": jnp.full(3, jnp.inf if i in faulty_steps else 1.0)}
         _, state = update(grads, state, params)
-        jax.block_until_ready(state)
+        jaxamp.check_skips(state)  # outside jit, after every step
     return state
 
 
-def test_guard_raises_a_clear_error_after_too_many_consecutive_skips():
-    with pytest.raises(RuntimeError, match=r"skipped 5 steps in a row .*max_consecutive_skips=5"):
+def test_guard_raises_a_catchable_error_after_too_many_consecutive_skips():
+    with (
+        pytest.warns(RuntimeWarning, match="skipped 5 steps in a row") as warned,
+        pytest.raises(jaxamp.TooManySkippedSteps) as raised,
+    ):
         _guarded_run(5, set(range(2, 100)), 100)
-    with pytest.raises(RuntimeError, match="TooManySkippedSteps|skipped 4 steps in a row"):
+    assert len(warned) == 1  # the jitted step warns once, on the step that hits the limit
+    message = str(raised.value)
+    assert "skipped 5 steps in a row (the limit is max_consecutive_skips=5)" in message
+    assert "The loss scale has shrunk to 1 (min_loss_scale=1)" in message
+    with pytest.warns(RuntimeWarning), pytest.raises(jaxamp.TooManySkippedSteps, match="4 steps"):
         _guarded_run(4, set(range(100)), 10)
+
+
+def test_guard_message_fits_the_kind_of_loss_scale():
+    with pytest.warns(RuntimeWarning), pytest.raises(jaxamp.TooManySkippedSteps) as raised:
+        _guarded_run(2, set(range(10)), 10, loss_scale=jaxamp.NoOpLossScale())
+    assert "No loss scaling was in use (NoOpLossScale)" in str(raised.value)
+    assert "loss scale is now" not in str(raised.value)
+    with pytest.warns(RuntimeWarning), pytest.raises(jaxamp.TooManySkippedSteps) as raised:
+        _guarded_run(2, set(range(10)), 10, loss_scale=jaxamp.StaticLossScale(8.0))
+    assert "The loss scale is static at 8." in str(raised.value)
+
+
+def test_check_skips_refuses_an_unguarded_state_and_traced_counters():
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="max_consecutive_skips=N"):
+        jaxamp.check_skips(tx.init({"w": jnp.ones(3)}))
+    guarded = jaxamp.loss_scaling(optax.sgd(0.1), max_consecutive_skips=3)
+    with pytest.raises(TypeError, match="call it outside jax.jit"):
+        jax.jit(jaxamp.check_skips)(guarded.init({"w": jnp.ones(3)}))
 
 
 def test_guard_stays_quiet_when_skips_are_interrupted_by_finite_steps():
@@ -170,7 +196,7 @@ def test_guard_stays_quiet_when_skips_are_interrupted_by_finite_steps():
 
 def test_guard_counts_windows_with_accumulation():
     # 3 faulty windows of 2 micro-batches in a row: the limit of 3 is hit at micro-step 6.
-    with pytest.raises(RuntimeError, match="skipped 3 steps in a row"):
+    with pytest.warns(RuntimeWarning), pytest.raises(jaxamp.TooManySkippedSteps, match="3 steps"):
         _guarded_run(3, set(range(100)), 6, accumulation_steps=2)
     state = _guarded_run(3, set(range(100)), 5, accumulation_steps=2)
     assert int(state.consecutive_skips) == 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,13 +23,15 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 # The examples folder is not a package: import the scripts by path.
 charlm = importlib.import_module("charlm")
 charlm_low_precision = importlib.import_module("charlm_low_precision")
 digits = importlib.import_module("digits")
+fp8_fidelity = importlib.import_module("fp8_fidelity")
 underflow = importlib.import_module("underflow")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,12 +42,31 @@ def run(main, argv):
         return {row["setup"]: row for row in main(argv)}
 
 
+def git_status() -> str | None:
+    """``git status`` of ``examples/`` (where results were written), or None outside git.
+
+    Only ``examples/``: an edit elsewhere while the tests run is not the example's doing.
+    """
+    command = ["git", "status", "--porcelain", "--untracked-files=all", "--", "examples"]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout
+
+
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("digits")
+    # As the Quickstart runs it: no --out, from a working directory of the user's.
+    cwd = tmp_path_factory.mktemp("digits")
     setups = "float32,mixed_bfloat16,mixed_float16,autocast_bfloat16"
-    rows = run(digits.main, ["--fast", "--no-progress", "--out", str(out), "--policies", setups])
-    return rows, out
+    before, here = git_status(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        rows = run(digits.main, ["--fast", "--no-progress", "--policies", setups])
+    finally:
+        os.chdir(here)
+    return rows, cwd / "jaxamp-results", (before, git_status())
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +106,30 @@ def window_means(values, window=10):
 # -- digits -----------------------------------------------------------------------
 
 
+def test_digits_by_default_writes_under_the_working_directory_not_the_checkout(digits_run):
+    _, out, (before, after) = digits_run
+    assert (out / "digits.md").is_file() and (out / "digits.png").is_file()
+    if before is not None:
+        assert after == before, "running the example changed files of the checkout"
+
+
+@pytest.mark.parametrize("example", [digits, underflow, charlm, charlm_low_precision, fp8_fidelity])
+def test_examples_write_the_committed_results_only_when_asked(example, tmp_path):
+    committed = EXAMPLES / "results"
+    assert example.parse_args([]).out == Path("jaxamp-results")
+    assert example.parse_args(["--out", str(tmp_path)]).out == tmp_path
+    assert example.parse_args(["--refresh-committed"]).out == committed
+    with pytest.raises(SystemExit):
+        example.parse_args(["--refresh-committed", "--out", str(tmp_path)])
+    if git_status() is not None:  # the default folder is one git ignores
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", "jaxamp-results/digits.md"], cwd=ROOT, check=False
+        )
+        assert ignored.returncode == 0
+
+
 def test_digits_writes_table_and_plot(digits_run):
-    rows, out = digits_run
+    rows, out, _ = digits_run
     assert list(rows) == ["float32", "mixed_bfloat16", "mixed_float16", "autocast_bfloat16"]
     assert_outputs(out, "digits", rows)
     for row in rows.values():  # --fast runs one seed
@@ -92,7 +137,7 @@ def test_digits_writes_table_and_plot(digits_run):
 
 
 def test_digits_mixed_runs_agree_with_float32(digits_run):
-    rows, _ = digits_run
+    rows, _, _ = digits_run
     reference = rows["float32"]
     ref_loss = reference["history"]["loss"]
     assert ref_loss[-10:].mean() < ref_loss[:10].mean() - 0.2  # it learns
@@ -111,7 +156,7 @@ def test_digits_mixed_runs_agree_with_float32(digits_run):
 
 
 def test_digits_loss_scaling_state(digits_run):
-    rows, _ = digits_run
+    rows, _, _ = digits_run
     assert rows["mixed_float16"]["skipped"] == 0
     # 60 steps < growth interval: the dynamic scale stays at its initial 2**15.
     np.testing.assert_array_equal(rows["mixed_float16"]["history"]["loss_scale"], 2.0**15)
@@ -121,7 +166,7 @@ def test_digits_loss_scaling_state(digits_run):
 
 
 def test_digits_16_bit_compute_halves_activation_memory(digits_run):
-    rows, _ = digits_run
+    rows, _, _ = digits_run
     f32 = rows["float32"]["residual_bytes"]
     for setup in ("mixed_bfloat16", "mixed_float16"):
         assert rows[setup]["residual_bytes"] < 0.65 * f32
@@ -276,3 +321,24 @@ def test_fp8_fidelity_fast_runs_an_fp8_recipe_next_to_bfloat16(tmp_path):
     table = (tmp_path / "fp8_fidelity.md").read_text()
     assert "| autocast_fp8_rowwise | 1 |" in table
     assert len((tmp_path / "fp8_fidelity.jsonl").read_text().splitlines()) == 2
+
+
+def test_loss_scale_plot_draws_setups_with_the_same_constant_scale_as_one_line():
+    common = importlib.import_module("_common")
+    plt = common.use_agg_backend()
+    ones, growing = np.ones(4), np.array([2.0**15, 2.0**15, 2.0**16, 2.0**16])
+    histories = {
+        "float32": {"loss_scale": ones},
+        "mixed_bfloat16": {"loss_scale": ones},
+        "mixed_float16": {"loss_scale": growing},
+        "mixed_float16_suggested_scale": {"loss_scale": np.full(4, 2.0**37)},
+    }
+    fig, ax = plt.subplots()
+    common.plot_loss_scales(ax, histories)
+    labels = sorted(line.get_label() for line in ax.get_lines())
+    plt.close(fig)
+    assert labels == [
+        "float32, mixed_bfloat16: scale 1",
+        "mixed_float16",
+        "mixed_float16_suggested_scale",
+    ]

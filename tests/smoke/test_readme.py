@@ -40,6 +40,10 @@ def test_readme_has_python_blocks():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(index, tmp_path, monkeypatch):
+    _run_blocks_through(index, tmp_path, monkeypatch)
+
+
+def _run_blocks_through(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
     monkeypatch.setenv("MPLBACKEND", "Agg")
     # Run any earlier blocks not yet run (e.g. when one test is selected alone).
@@ -101,3 +105,24 @@ def test_readme_quotes_the_committed_example_results():
         assert row["test acc"] == ours["test acc (mean +- std)"], setup
         for column in ("test loss", "skipped", "final scale", "activations (residuals)"):
             assert row[column] == ours[column], (setup, column)
+
+
+def test_readme_precision_report_sample_is_what_it_prints(tmp_path, monkeypatch):
+    # The sample must be true on every supported JAX version: it is compared to the
+    # report of the README's own code, run here.
+    text = README.read_text()
+    start = text.index("The printed report")
+    sample = re.search(r"```text\n(.*?)```", text[start:], re.S).group(1).strip()
+    index = next(i for i, (_, src) in enumerate(BLOCKS) if "precision_report(jax.grad(" in src)
+    _run_blocks_through(index, tmp_path, monkeypatch)
+    ns = _RUN["namespace"]
+    with jax.numpy_dtype_promotion("standard"):
+        report = jaxamp.precision_report(jax.grad(ns["mixed_loss"]), ns["params"], ns["x"], ns["y"])
+    assert str(report).strip() == sample
+
+
+def test_readme_headline_names_fp8_and_the_numerics_monitor():
+    headline = README.read_text().split("## Install")[0]
+    assert '`autocast(loss_fn, "mixed_float8")`' in headline
+    assert "`numerics_monitor`" in headline
+    assert "CPU-minutes" in README.read_text().split("## A jitted")[0]

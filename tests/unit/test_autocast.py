@@ -287,3 +287,23 @@ def test_bad_arguments_are_named_in_the_error():
     for bad in (0, -8, 2.5, True, "big"):
         with pytest.raises(ValueError, match="pad_to must be None, 'auto'"):
             jaxamp.autocast(jnp.sin, pad_to=bad)
+
+
+def test_the_returned_wrapper_behaves_like_the_function_it_wraps():
+    import inspect
+
+    def layer(w, x, *, bias=1.0):
+        """Docs."""
+        return x @ w + bias
+
+    fast = jaxamp.autocast(layer)
+    assert fast.__name__ == "layer" and fast.__doc__ == "Docs." and fast.__wrapped__ is layer
+    assert inspect.signature(fast) == inspect.signature(layer)
+
+    class Model:
+        apply = jaxamp.autocast(lambda self, x: x @ self.w)
+        w = jnp.ones((3, 2))
+
+    assert Model().apply(jnp.ones((1, 3))).dtype == jnp.float32
+    with pytest.raises(TypeError, match="not a context manager"), fast:
+        pass

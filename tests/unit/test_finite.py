@@ -26,6 +26,15 @@ def test_all_finite_ignores_non_floating_and_handles_empty():
     assert not bool(jaxamp.all_finite(jnp.array([1 + 1j, jnp.inf + 0j])))
 
 
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), -float("inf"), complex(1, float("nan"))]
+)
+def test_all_finite_checks_python_float_leaves(bad):
+    assert not bool(jaxamp.all_finite({"a": bad}))
+    assert not bool(jaxamp.all_finite({"a": jnp.ones(3), "b": [2, bad]}))
+    assert bool(jaxamp.all_finite({"a": 1.5, "b": 3, "c": True, "d": 1 + 2j}))
+
+
 def test_all_finite_is_one_flat_reduction_in_the_jaxpr():
     tree = [jnp.ones(3) for _ in range(50)]
     jaxpr = jax.make_jaxpr(jaxamp.all_finite)(tree)

@@ -150,3 +150,53 @@ def test_train_state_step_counts_applied_windows_when_accumulating():
         steps.append(int(state.step))
     assert steps == [0, 1, 1, 1]  # window 1 applied; window 2 skipped
     np.testing.assert_array_equal(state.params["w"], [-1.0, -2.0])
+
+
+class Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(nn.relu(nn.Dense(8, name="proj")(x)))
+
+
+class Nested(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Decoder(name="decoder")(nn.Dense(4, name="block")(x))
+
+
+@pytest.mark.parametrize("key", ["head", "decoder/head", "decoder.head"])
+def test_linen_policy_path_keys_match_nested_modules_at_any_depth(key):
+    model, x = Nested(), jnp.ones((2, 4))
+    with jaxamp.flax.linen_policy("mixed_float16", {key: "float32"}):
+        variables = model.init(jax.random.key(0), x)
+        dots = dot_dtypes(model.apply, variables, x)
+    assert dots == [("float16", "float16")] * 2 + [("float32", "float32")]
+
+
+def test_linen_policy_casts_the_output_to_the_policy_output_dtype():
+    model, x = Nested(), jnp.ones((2, 4))
+    with jaxamp.flax.linen_policy("mixed_float16"):
+        variables = model.init(jax.random.key(0), x)
+        assert dot_dtypes(model.apply, variables, x)[-1] == ("float16", "float16")
+        assert model.apply(variables, x).dtype == jnp.float32
+        assert jax.jit(model.apply)(variables, x).dtype == jnp.float32
+    # A root module with a dtype of its own (a bare Dense) too.
+    with jaxamp.flax.linen_policy("params=float32,compute=float16,output=bfloat16"):
+        dense = nn.Dense(2)
+        assert dense.apply(dense.init(jax.random.key(0), x), x).dtype == jnp.bfloat16
+
+
+def test_linen_policy_unmatched_key_raises_naming_close_paths():
+    model, x = Nested(), jnp.ones((2, 4))
+    with (
+        pytest.raises(ValueError, match=r"'hed' \(closest paths: 'decoder/head'"),
+        jaxamp.flax.linen_policy("mixed_float16", {"hed": "float32"}),
+    ):
+        model.init(jax.random.key(0), x)
+    # A context whose calls all hit a jit cache runs no module: nothing to check.
+    step = jax.jit(model.apply)
+    variables = model.init(jax.random.key(0), x)
+    with jaxamp.flax.linen_policy("mixed_float16", {"head": "float32"}):
+        step(variables, x)
+    with jaxamp.flax.linen_policy("mixed_float16", {"hed": "float32"}):
+        step(variables, x)

@@ -146,3 +146,112 @@ def test_set_policy_bad_arguments():
         jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", [nnx.LayerNorm])
     with pytest.raises(ValueError, match="invalid policy spec"):
         jaxamp.flax.set_policy(MLP(nnx.Rngs(0)), "float32", {"head": "fp8"})
+
+
+class Decoder(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(4, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.proj(x)))
+
+
+class Nested(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+        self.decoder = Decoder(rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.decoder(x)
+
+
+@pytest.mark.parametrize("key", ["head", "decoder/head", "decoder.head"])
+def test_set_policy_path_keys_match_nested_modules_at_any_depth(key):
+    model = jaxamp.flax.set_policy(Nested(nnx.Rngs(0)), "mixed_float16", {key: "float32"})
+    assert model.decoder.head.dtype == jnp.float32
+    assert model.decoder.proj.dtype == jnp.float16 and model.blocks[1].dtype == jnp.float16
+    x = jnp.ones((2, 4))
+    assert dot_dtypes(model, x)[-1] == ("float32", "float32")
+
+
+def test_set_policy_deepest_path_wins_and_list_entries_are_addressable():
+    model = jaxamp.flax.set_policy(
+        Nested(nnx.Rngs(0)),
+        "float32",
+        {"decoder": "bfloat16", "decoder/head": "float16", "blocks.1": "bfloat16"},
+    )
+    assert model.decoder.proj.dtype == jnp.bfloat16 and model.decoder.head.dtype == jnp.float16
+    assert model.blocks[0].dtype == jnp.float32 and model.blocks[1].dtype == jnp.bfloat16
+
+
+def test_set_policy_casts_the_model_output_to_the_policy_output_dtype():
+    model = jaxamp.flax.set_policy(Nested(nnx.Rngs(0)), "mixed_float16")
+    assert isinstance(model, Nested) and type(model).__name__ == "Nested"
+    x = jnp.ones((2, 4))
+    assert dot_dtypes(model, x)[-1] == ("float16", "float16")
+    assert model(x).dtype == jnp.float32
+    graphdef, state = nnx.split(model)
+    assert nnx.merge(graphdef, state)(x).dtype == jnp.float32
+    # Setting a policy again replaces the output dtype (no cast stacked on a cast).
+    jaxamp.flax.set_policy(model, "float16")
+    assert model(x).dtype == jnp.float16 and type(model).__mro__[2] is nnx.Module
+
+
+def test_set_policy_unmatched_key_raises_naming_close_paths_and_changes_nothing():
+    model = Nested(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"'hed' \(closest paths: 'decoder/head'"):
+        jaxamp.flax.set_policy(model, "mixed_float16", {"hed": "float32"})
+    assert model.decoder.head.dtype is None and model.blocks[0].dtype is None
+    with pytest.raises(ValueError, match=r"'BatchNorm' \(module classes in the model: .*Linear"):
+        jaxamp.flax.set_policy(model, "mixed_float16", {nnx.BatchNorm: "float32"})
+    with pytest.raises(ValueError, match="'encoder/head'"):
+        jaxamp.flax.set_policy(model, "mixed_float16", {"encoder/head": "float32"})
+
+
+def test_orbax_checkpoint_of_an_nnx_optimizer_round_trips_the_loss_scale_configuration(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import flax.serialization
+
+    def build(loss_scale):
+        model = MLP(nnx.Rngs(0))
+        tx = jaxamp.loss_scaling(optax.sgd(0.1), loss_scale)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def checkpoint(model, optimizer):
+        scale = jaxamp.get_loss_scale(optimizer.opt_state)
+        return {
+            "model": nnx.state(model),
+            "optimizer": nnx.state(optimizer),
+            "loss_scale": flax.serialization.to_state_dict(scale),
+        }
+
+    model, optimizer = build(jaxamp.DynamicLossScale(2.0**8, growth_interval=3, growth_factor=4.0))
+    x, y = _data()
+    for _ in range(2):
+        _train_step(model, optimizer, x, y)
+    saved_scale = jaxamp.get_loss_scale(optimizer.opt_state)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", checkpoint(model, optimizer))
+    checkpointer.wait_until_finished()
+
+    # Into a default-built optimizer, nnx.state alone restores the arrays only.
+    plain_model, plain = build(jaxamp.DynamicLossScale())
+    restored = checkpointer.restore(tmp_path / "ckpt", checkpoint(plain_model, plain))
+    nnx.update(plain, restored["optimizer"])
+    assert jaxamp.get_loss_scale(plain.opt_state).growth_interval == 2000
+
+    # The documented route: the configuration comes from the checkpoint.
+    stored = checkpointer.restore(tmp_path / "ckpt")["loss_scale"]
+    loss_scale = flax.serialization.from_state_dict(jaxamp.DynamicLossScale(), stored)
+    model2, optimizer2 = build(loss_scale)
+    restored = checkpointer.restore(tmp_path / "ckpt", checkpoint(model2, optimizer2))
+    nnx.update(model2, restored["model"])
+    nnx.update(optimizer2, restored["optimizer"])
+    scale = jaxamp.get_loss_scale(optimizer2.opt_state)
+    assert (scale.growth_interval, scale.growth_factor) == (3, 4.0)
+    assert bits(scale.loss_scale) == bits(saved_scale.loss_scale)
+    assert int(scale.counter) == int(saved_scale.counter) == 2
+    assert bits(nnx.state(model2)) == bits(nnx.state(model))  # the params too

@@ -304,3 +304,17 @@ def test_float16_grads_accumulate_unscaled_in_float32_without_underflow():
     np.testing.assert_array_equal(state.accumulation.grad_sum["h"], [tiny, tiny])
     updates, state = tx.update(scaled, state, params)
     assert updates["h"].dtype == jnp.float16  # inner works in the grads' dtype
+
+
+@pytest.mark.parametrize("inner", [optax.sgd(0.1), optax.adam(1e-3)])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_update_refuses_integer_gradients_naming_the_leaf(inner, dtype):
+    params = {"w": jnp.ones(3), "step": jnp.zeros((), dtype)}
+    tx = jaxamp.loss_scaling(inner)
+    state = tx.init(params)
+    grads = {"w": jnp.ones(3), "step": jnp.zeros((), dtype)}
+    pattern = rf"the leaf at \['step'\] has dtype {jnp.dtype(dtype).name}"
+    with pytest.raises(TypeError, match=pattern):
+        tx.update(grads, state, params)
+    with pytest.raises(TypeError, match=pattern):
+        jax.jit(tx.update)(grads, state, params)
