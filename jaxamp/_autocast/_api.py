@@ -17,7 +17,7 @@ from jaxamp._autocast._remat import save_narrow_values
 from jaxamp._autocast._values import PLAIN, cast, is_float
 from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._engine._trace import trace
-from jaxamp._fp8 import Float8Recipe, as_recipe
+from jaxamp._fp8 import Float8Recipe, as_recipe, fp8_weight_amaxes
 from jaxamp._policy import Policy, get_policy
 
 __all__ = ["autocast"]
@@ -114,6 +114,8 @@ def autocast(
         autocaster = Autocaster(policy, table, multiple, fp8=recipe)
 
         def run(*dyn):
+            if recipe is not None:  # every weight's FP8 scale from one reduction
+                autocaster.fp8_weights = fp8_weight_amaxes(recipe, closed, dyn)
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]
 
         if remat:

@@ -88,14 +88,16 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def quantize(
-    x: jax.Array, dtype: np.dtype, groups: Groups, power_of_two: bool
+    x: jax.Array, dtype: np.dtype, groups: Groups, power_of_two: bool, amax: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """``x`` ``[B, P, C]`` -> (float8 ``[B, P, KB, kb]``, inverse scales ``[B, P, KB]``).
 
     A dim that does not divide into its groups is zero-padded for the amax (a
     partial group is scaled by the amax of the values it has); ``C`` stays
     padded (zeros add nothing to the product), ``P`` is sliced back. A ``C``
-    shorter than a block is one block, unpadded.
+    shorter than a block is one block, unpadded. ``amax``: the amax of the
+    whole operand, computed beforehand (tensorwise groups only; the fused
+    weight amaxes of ``_scales``).
     """
     x = x.astype(_F32)
     b, p, c = x.shape
@@ -105,7 +107,8 @@ def quantize(
     rows = groups.rows or p
     tiles = _pad_to(x, 1, rows).reshape(b, -1, rows, nblocks, block)
     axes = (0, 2, 4) if groups.whole_batch else (2, 4)
-    amax = jnp.max(jnp.abs(tiles), axis=axes, keepdims=True)
+    if amax is None:
+        amax = jnp.max(jnp.abs(tiles), axis=axes, keepdims=True)
     scale = scale_from_amax(amax, dtype, power_of_two)
     q = saturating_cast(tiles * scale, dtype).reshape(b, -1, nblocks, block)[:, :p]
     inverse = jnp.broadcast_to(1 / scale, (b, tiles.shape[1], rows, nblocks, 1))
