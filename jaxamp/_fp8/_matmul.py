@@ -66,10 +66,11 @@ def _quantized(recipe: Float8Recipe, x, dtype, kind: str, amax=None):
     return quantize(x, dtype, groups_for(recipe.scaling, kind), recipe.exact_scales, amax)
 
 
-def _product(recipe: Float8Recipe, qa, qb, out_dtype):
+def _product(recipe: Float8Recipe, qa, qb, out_dtype, accumulate=_F32):
     # Decided when traced: jax.nn.scaled_matmul where the native MX GEMM runs (_native.py).
-    product = native_product if uses_native(recipe) else scaled_product
-    return product(qa, qb, out_dtype)
+    if uses_native(recipe):
+        return native_product(qa, qb, out_dtype)
+    return scaled_product(qa, qb, out_dtype, accumulate)
 
 
 def _whole(quantized):
@@ -78,21 +79,28 @@ def _whole(quantized):
     return q[:, :, 0], inverse[:, :1, :1]
 
 
-def _whole_product(x, y, contract: tuple, out_dtype):
+def _whole_product(x, y, contract: tuple, out_dtype, accumulate=_F32):
     """The product of two tensorwise operands over dims ``contract`` (batch dim 0).
 
     The backward products contract the saved float8 operands along another dim
     instead of transposing them: the partitioner then all-gathers a weight's
-    float8 shard once for the forward and both backward products.
+    float8 shard once for the forward and both backward products. The float8
+    product comes out in ``accumulate``, the dtype of its cross-device sum.
     """
     (qx, inv_x), (qy, inv_y) = x, y
     dims = ((contract[:1], contract[1:]), ((0,), (0,)))
-    out = jax.lax.dot_general(qx, qy, dims, preferred_element_type=_F32)
-    return (out * inv_x * inv_y).astype(out_dtype)
+    out = jax.lax.dot_general(qx, qy, dims, preferred_element_type=accumulate)
+    return (out.astype(_F32) * inv_x * inv_y).astype(out_dtype)
 
 
-def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str], dtypes: tuple) -> Callable:
+def _canonical_matmul(
+    recipe: Float8Recipe, kinds: tuple[str, str], dtypes: tuple, reduce: tuple
+) -> Callable:
     """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` in FP8, with FP8 backward products.
+
+    ``dtypes``: the operands' dtypes (their cotangents'); ``reduce``: the result
+    dtypes of the products giving each cotangent, which the partitioner reduces
+    across devices (a parameter's: ``recipe.reduce_dtype``).
 
     ``amaxes``: each operand's amax when computed beforehand (a weight's, from
     the step's one fused reduction, ``_scales``; tensorwise only), else None.
@@ -132,13 +140,15 @@ def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str], dtypes: tupl
             if reuse:
                 qa, qb = saved
                 qg = _whole(_quantized(recipe, g, grad_dtype, "grad"))
-                da = _whole_product(qg, qb, (2, 1), _F32)
-                db = _whole_product(qg, qa, (1, 1), _F32)
+                da = _whole_product(qg, qb, (2, 1), _F32, reduce[0])
+                db = _whole_product(qg, qa, (1, 1), _F32, reduce[1])
             else:
                 a, b = saved
                 qg, qg_t = (_quantized(recipe, v, grad_dtype, "grad") for v in (g, _t(g)))
-                da = _product(recipe, qg, _quantized(recipe, _t(b), fwd_dtype, b_kind), _F32)
-                db = _product(recipe, qg_t, _quantized(recipe, _t(a), fwd_dtype, a_kind), _F32)
+                qb_t = _quantized(recipe, _t(b), fwd_dtype, b_kind)
+                qa_t = _quantized(recipe, _t(a), fwd_dtype, a_kind)
+                da = _product(recipe, qg, qb_t, _F32, reduce[0])
+                db = _product(recipe, qg_t, qa_t, _F32, reduce[1])
         zeros = jax.tree.map(jax.numpy.zeros_like, amaxes)  # amaxes are not differentiated
         return da.astype(dtypes[0]), db.astype(dtypes[1]), zeros
 
@@ -150,7 +160,7 @@ def _t(x):
     return jax.numpy.swapaxes(x, 1, 2)
 
 
-def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool, amaxes=(None, None)):
+def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, plain: tuple, amaxes: tuple):
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lf = [d for d in range(x.ndim) if d not in (*lc, *lb)]
     rf = [d for d in range(w.ndim) if d not in (*rc, *rb)]
@@ -161,8 +171,9 @@ def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool, amax
     )
     a = _to_canonical(x, lb, lf, lc)
     b = _to_canonical(w, rb, rf, rc)
-    kinds = ("act", "weight" if rhs_is_weight else "act")
-    out = _canonical_matmul(recipe, kinds, (a.dtype, b.dtype))(a, b, tuple(amaxes))
+    kinds = ("act", "weight" if plain[1] else "act")
+    reduce = tuple(recipe.reduce_dtype if p else _F32 for p in plain)
+    out = _canonical_matmul(recipe, kinds, (a.dtype, b.dtype), reduce)(a, b, amaxes)
     return out.reshape(out_shape)
 
 
@@ -229,15 +240,14 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
     return conv(x, w)
 
 
-def fp8_matmul(
-    recipe: Float8Recipe, eqn: jex.JaxprEqn, x, w, *, rhs_is_weight: bool, amaxes=(None, None)
-):
+def fp8_matmul(recipe: Float8Recipe, eqn: jex.JaxprEqn, x, w, *, plain: tuple, amaxes=(None, None)):
     """The FP8 product of ``eqn`` (a ``dot_general`` or conv) under ``recipe``.
 
+    ``plain``: which operands are parameters or inputs (autocast's PLAIN role);
     ``amaxes``: the operands' amaxes when computed beforehand (tensorwise dots).
     """
     if eqn.primitive.name == "dot_general":
-        return _fp8_dot(recipe, eqn.params, x, w, rhs_is_weight, amaxes)
+        return _fp8_dot(recipe, eqn.params, x, w, plain, amaxes)
     return _fp8_conv(recipe, eqn.primitive, dict(eqn.params), x, w)
 
 
@@ -261,7 +271,7 @@ def fp8_operands(
         amaxes = tuple(
             weights.get(eqn, i) if weights is not None and p else None for i, p in enumerate(plain)
         )
-        return fp8_matmul(recipe, eqn, x, w, rhs_is_weight=plain[1], amaxes=amaxes)
+        return fp8_matmul(recipe, eqn, x, w, plain=plain, amaxes=amaxes)
 
     return x, w, matmul
 

@@ -116,26 +116,31 @@ def quantize(
 
 
 def scaled_product(
-    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], out_dtype: np.dtype
+    a: tuple[jax.Array, jax.Array],
+    b: tuple[jax.Array, jax.Array],
+    out_dtype: np.dtype,
+    accumulate: np.dtype = _F32,
 ) -> jax.Array:
     """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` from two quantized operands.
 
     Float8 operands, float32 accumulation (``preferred_element_type``), then the
     inverse scales per group; with blocks along C the partial products of each
     block are scaled and summed in float32 (DeepSeek-V3's promotion per block).
+    ``accumulate``: the dtype of the float8 product's result (of the scaled
+    blocks' sum with blocks along C), in which the SPMD partitioner reduces it
+    across devices when C is sharded (a weight gradient's ``reduce_dtype``).
     """
     (qa, inv_a), (qb, inv_b) = a, b
     nblocks = qa.shape[2]
     if nblocks == 1:
-        out = jax.lax.dot_general(
-            qa[:, :, 0], qb[:, :, 0], (((2,), (2,)), ((0,), (0,))), preferred_element_type=_F32
-        )
-        out = out * inv_a * jnp.swapaxes(inv_b, 1, 2)
+        dims = (((2,), (2,)), ((0,), (0,)))
+        out = jax.lax.dot_general(qa[:, :, 0], qb[:, :, 0], dims, preferred_element_type=accumulate)
+        out = out.astype(_F32) * inv_a * jnp.swapaxes(inv_b, 1, 2)
     else:
         partial = jax.lax.dot_general(
             qa, qb, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=_F32
         )  # [B, KB, P, Q]
         a_scale = jnp.transpose(inv_a, (0, 2, 1))[..., None]
         b_scale = jnp.transpose(inv_b, (0, 2, 1))[:, :, None, :]
-        out = jnp.sum(partial * a_scale * b_scale, axis=1)
+        out = jnp.sum((partial * a_scale * b_scale).astype(accumulate), axis=1)
     return out.astype(out_dtype)

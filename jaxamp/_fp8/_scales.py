@@ -13,9 +13,10 @@ the float8 values are those of quantizing after the gather.
 
 The reduction is a JAX ``custom_partitioning`` op: the SPMD partitioner hands
 it the weights' shardings, and it reduces each device's local maxima with one
-``pmax`` over the mesh axes any weight is sharded on (none on one device or
-inside ``shard_map``, whose values are local). Under ``vmap``, which
-``custom_partitioning`` does not batch, the amaxes are stacked as they are.
+``pmax`` over the mesh axes any weight is sharded on. It is used where the
+trace sees a mesh of several devices (the weights' types, or ``jax.set_mesh``);
+elsewhere (one device, inside ``shard_map`` or ``vmap``) each quantization
+computes its own amax, as without the pre-pass.
 """
 
 from __future__ import annotations
@@ -133,12 +134,30 @@ def _fused_amaxes(ranks: tuple[int, ...]):
     return fused
 
 
-def _reduced(weights: Sequence[jax.Array]) -> jax.Array:
-    """The amaxes of ``weights``: one all-reduce where the partitioner shards them."""
+def _mesh_of(weights: Sequence[jax.Array]):
+    """The mesh of the weights' types, else the one ``jax.set_mesh`` set (may be empty)."""
+    for w in weights:
+        mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    return jax.sharding.get_abstract_mesh()
+
+
+def _reduced(weights: Sequence[jax.Array]) -> jax.Array | None:
+    """The amaxes of ``weights`` from one all-reduce, or None where nothing is sharded.
+
+    None leaves each operand's amax to its quantization, as without the pre-pass:
+    on one device, and under ``jit(in_shardings=...)`` of uncommitted arrays,
+    whose mesh the trace does not see (unless ``jax.set_mesh`` sets it).
+    """
+    mesh = _mesh_of(weights)
+    if mesh.empty or mesh.size < 2 or jax.sharding.AxisType.Manual in mesh.axis_types:
+        return None  # one device, or inside shard_map (local values)
     try:
-        return _fused_amaxes(tuple(w.ndim for w in weights))(*weights)
+        fused = _fused_amaxes(tuple(w.ndim for w in weights))
+        return fused(*[jax.lax.stop_gradient(w) for w in weights])
     except NotImplementedError:  # under vmap: custom_partitioning has no batching rule
-        return _local_amaxes(*weights)
+        return None
 
 
 class WeightAmaxes:
@@ -148,13 +167,13 @@ class WeightAmaxes:
         order = sorted(set(operands.values()))
         position = {src: k for k, src in enumerate(order)}
         self._index = {key: position[src] for key, src in operands.items()}
-        weights = [jax.lax.stop_gradient(inputs[i]) for i in order]
+        weights = [inputs[i] for i in order]
         self._amaxes = _reduced(weights) if weights else None
 
     def get(self, eqn: jex.JaxprEqn, operand: int) -> jax.Array | None:
         """The amax of ``eqn``'s operand ``operand``, or None if it is not a weight."""
         k = self._index.get((id(eqn), operand))
-        return None if k is None else self._amaxes[k]
+        return None if k is None or self._amaxes is None else self._amaxes[k]
 
 
 def weight_amaxes(closed: jex.ClosedJaxpr, inputs: Sequence) -> WeightAmaxes:
