@@ -33,7 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxamp._engine import _compat as compat
 
-__all__ = ["WeightAmaxes", "weight_amaxes", "weight_operands"]
+__all__ = ["SCOPE", "WeightAmaxes", "weight_amaxes", "weight_operands"]
+
+SCOPE = "fp8_weight_amaxes"
 
 # Operations that move or relabel values without changing any: the amax of
 # the result is the amax of the operand.
@@ -155,7 +157,8 @@ def _reduced(weights: Sequence[jax.Array]) -> jax.Array | None:
         return None  # one device, or inside shard_map (local values)
     try:
         fused = _fused_amaxes(tuple(w.ndim for w in weights))
-        return fused(*[jax.lax.stop_gradient(w) for w in weights])
+        with jax.named_scope(SCOPE):  # communication_report's source of the all-reduce
+            return fused(*[jax.lax.stop_gradient(w) for w in weights])
     except NotImplementedError:  # under vmap: custom_partitioning has no batching rule
         return None
 
