@@ -8,7 +8,10 @@ in ``gradient_dtype`` and the saved operands requantized in ``forward_dtype``
 along the backward product's contracting dim (rowwise groups differ between the
 forward and the backward products, as in torchao). Residuals are the operands
 as they reached the matmul (parameters in their own dtype, activations in the
-compute dtype).
+compute dtype), except under tensorwise scaling, whose groups do not depend on
+the contracting dim: there the forward's float8 operands are saved and the
+backward products contract them along the other dim (a sharded weight is then
+all-gathered once per step, in float8).
 """
 
 from __future__ import annotations
