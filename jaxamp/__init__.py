@@ -17,6 +17,7 @@ import importlib.util as _importlib_util
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
+from jaxamp._communication import Collective, CommunicationReport, communication_report
 from jaxamp._fp8 import Float8Recipe
 from jaxamp._loss_scaling import (
     AccumulationState,
@@ -49,6 +50,8 @@ __all__ = [
     "AUTOCAST_RULES",
     "AccumulationState",
     "AutocastContext",
+    "Collective",
+    "CommunicationReport",
     "DynamicLossScale",
     "Float8Recipe",
     "LossScale",
@@ -69,6 +72,7 @@ __all__ = [
     "autocast",
     "cast_floating",
     "check_skips",
+    "communication_report",
     "get_loss_scale",
     "get_policy",
     "loss_scaling",

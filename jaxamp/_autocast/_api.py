@@ -18,7 +18,7 @@ from jaxamp._autocast._values import PLAIN, cast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._engine._trace import trace
-from jaxamp._fp8 import Float8Recipe
+from jaxamp._fp8 import Float8Recipe, fp8_weight_amaxes
 from jaxamp._policy import Policy
 from jaxamp._resolve import resolve
 
@@ -117,6 +117,8 @@ def autocast(
         autocaster = Autocaster(policy, table, multiple, fp8=recipe)
 
         def run(*dyn):
+            if recipe is not None:  # every weight's FP8 scale from one reduction
+                autocaster.fp8_weights = fp8_weight_amaxes(recipe, closed, dyn)
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]
 
         if remat:

@@ -70,6 +70,7 @@ class Autocaster:
         self.table = table
         self.pad_to = pad_to
         self.fp8 = fp8  # a Float8Recipe: dots and convs run in FP8 (jaxamp/_fp8)
+        self.fp8_weights = None  # the step's weight amaxes, fused (fp8_weight_amaxes)
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
@@ -233,7 +234,7 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         return follow(ac, eqn, ins)
     if ac.fp8 is not None and eqn.primitive.name in FP8_PRIMITIVES:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
-        lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain)
+        lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain, ac.fp8_weights)
     else:
         lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
         rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)

@@ -8,7 +8,10 @@ in ``gradient_dtype`` and the saved operands requantized in ``forward_dtype``
 along the backward product's contracting dim (rowwise groups differ between the
 forward and the backward products, as in torchao). Residuals are the operands
 as they reached the matmul (parameters in their own dtype, activations in the
-compute dtype).
+compute dtype), except under tensorwise scaling, whose groups do not depend on
+the contracting dim: there the forward's float8 operands are saved and the
+backward products contract them along the other dim (a sharded weight is then
+all-gathered once per step, in float8).
 """
 
 from __future__ import annotations
@@ -27,10 +30,18 @@ from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
 from jaxamp._fp8._recipe import Float8Recipe
+from jaxamp._fp8._scales import WeightAmaxes, weight_amaxes
 from jaxamp._fp8._scalings import SCOPE_PREFIX
 from jaxamp._fp8._scalings import scope_name as _scope_name
 
-__all__ = ["FP8_PRIMITIVES", "SCOPE_PREFIX", "fp8_matmul", "fp8_operands", "scope_name"]
+__all__ = [
+    "FP8_PRIMITIVES",
+    "SCOPE_PREFIX",
+    "fp8_matmul",
+    "fp8_operands",
+    "fp8_weight_amaxes",
+    "scope_name",
+]
 
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
@@ -54,38 +65,95 @@ def scope_name(recipe: Float8Recipe, scaling: str | None = None) -> str:
     return _scope_name(scaling or recipe.scaling, recipe.power_of_two_scale)
 
 
-def _product(recipe: Float8Recipe, a, a_dtype, a_kind, b, b_dtype, b_kind, out_dtype):
-    pow2 = recipe.exact_scales
+def _quantized(recipe: Float8Recipe, x, dtype, kind: str, amax=None):
+    return quantize(x, dtype, groups_for(recipe.scaling, kind), recipe.exact_scales, amax)
+
+
+def _product(recipe: Float8Recipe, qa, qb, out_dtype, accumulate=F32):
     # Decided when traced: jax.nn.scaled_matmul where the native MX GEMM runs (_native.py).
-    product = native_product if uses_native(recipe) else scaled_product
-    with jax.named_scope(scope_name(recipe)):
-        qa = quantize(a, a_dtype, groups_for(recipe.scaling, a_kind), pow2)
-        qb = quantize(b, b_dtype, groups_for(recipe.scaling, b_kind), pow2)
-        return product(qa, qb, out_dtype)
+    if uses_native(recipe):
+        return native_product(qa, qb, out_dtype)
+    return scaled_product(qa, qb, out_dtype, accumulate)
 
 
-def _canonical_matmul(recipe: Float8Recipe, kinds: tuple[str, str]) -> Callable:
-    """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` in FP8, with FP8 backward products."""
+def _whole(quantized):
+    """A tensorwise-quantized ``[B, P, C]``: (float8 ``[B, P, C]``, inverse ``[B, 1, 1]``)."""
+    q, inverse = quantized
+    return q[:, :, 0], inverse[:, :1, :1]
+
+
+def _whole_product(x, y, contract: tuple, out_dtype, accumulate=F32):
+    """The product of two tensorwise operands over dims ``contract`` (batch dim 0).
+
+    The backward products contract the saved float8 operands along another dim
+    instead of transposing them: the partitioner then all-gathers a weight's
+    float8 shard once for the forward and both backward products. The float8
+    product comes out in ``accumulate``, the dtype of its cross-device sum.
+    """
+    (qx, inv_x), (qy, inv_y) = x, y
+    dims = ((contract[:1], contract[1:]), ((0,), (0,)))
+    out = jax.lax.dot_general(qx, qy, dims, preferred_element_type=accumulate)
+    return (out.astype(F32) * inv_x * inv_y).astype(out_dtype)
+
+
+def _canonical_matmul(
+    recipe: Float8Recipe, kinds: tuple[str, str], dtypes: tuple, reduce: tuple
+) -> Callable:
+    """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` in FP8, with FP8 backward products.
+
+    ``dtypes``: the operands' dtypes (their cotangents'); ``reduce``: the result
+    dtypes of the products giving each cotangent, which the partitioner reduces
+    across devices (a parameter's: ``recipe.reduce_dtype``).
+
+    ``amaxes``: each operand's amax when computed beforehand (a weight's, from
+    the step's one fused reduction, ``_scales``; tensorwise only), else None.
+    """
     fwd_dtype, grad_dtype, out_dtype = (
         recipe.forward_dtype,
         recipe.gradient_dtype,
         recipe.compute_dtype,
     )
     a_kind, b_kind = kinds
+    scope = scope_name(recipe)
+    # Tensorwise groups do not depend on the contracting dim: the backward
+    # products reuse the forward's float8 operands (saved instead of a and b).
+    reuse = recipe.scaling == "tensorwise"
+
+    def forward(a, b, amaxes):
+        with jax.named_scope(scope):
+            qa = _quantized(recipe, a, fwd_dtype, a_kind, amaxes[0])
+            qb = _quantized(recipe, b, fwd_dtype, b_kind, amaxes[1])
+            if reuse:
+                qa, qb = _whole(qa), _whole(qb)
+                return _whole_product(qa, qb, (2, 2), out_dtype), (qa, qb)
+            return _product(recipe, qa, qb, out_dtype), (a, b)
 
     @jax.custom_vjp
-    def matmul(a, b):
-        return _product(recipe, a, fwd_dtype, a_kind, b, fwd_dtype, b_kind, out_dtype)
+    def matmul(a, b, amaxes):
+        return forward(a, b, amaxes)[0]
 
-    def fwd(a, b):
-        return matmul(a, b), (a, b)
+    def fwd(a, b, amaxes):
+        out, saved = forward(a, b, amaxes)
+        return out, (saved, amaxes)
 
     def bwd(residuals, g):
-        a, b = residuals
+        saved, amaxes = residuals
         # da[B, P, C] = g[B, P, Q] . b over Q;  db[B, Q, C] = g^T[B, Q, P] . a over P.
-        da = _product(recipe, g, grad_dtype, "grad", _t(b), fwd_dtype, b_kind, F32)
-        db = _product(recipe, _t(g), grad_dtype, "grad", _t(a), fwd_dtype, a_kind, F32)
-        return da.astype(a.dtype), db.astype(b.dtype)
+        with jax.named_scope(scope):
+            if reuse:
+                qa, qb = saved
+                qg = _whole(_quantized(recipe, g, grad_dtype, "grad"))
+                da = _whole_product(qg, qb, (2, 1), F32, reduce[0])
+                db = _whole_product(qg, qa, (1, 1), F32, reduce[1])
+            else:
+                a, b = saved
+                qg, qg_t = (_quantized(recipe, v, grad_dtype, "grad") for v in (g, _t(g)))
+                qb_t = _quantized(recipe, _t(b), fwd_dtype, b_kind)
+                qa_t = _quantized(recipe, _t(a), fwd_dtype, a_kind)
+                da = _product(recipe, qg, qb_t, F32, reduce[0])
+                db = _product(recipe, qg_t, qa_t, F32, reduce[1])
+        zeros = jax.tree.map(jax.numpy.zeros_like, amaxes)  # amaxes are not differentiated
+        return da.astype(dtypes[0]), db.astype(dtypes[1]), zeros
 
     matmul.defvjp(fwd, bwd)
     return matmul
@@ -95,7 +163,7 @@ def _t(x):
     return jax.numpy.swapaxes(x, 1, 2)
 
 
-def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool):
+def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, plain: tuple, amaxes: tuple):
     lb, lf, lc, rb, rf, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
     out_shape = (
         *(x.shape[d] for d in lb),
@@ -104,8 +172,9 @@ def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, rhs_is_weight: bool):
     )
     a = _to_canonical(x, lb, lf, lc)
     b = _to_canonical(w, rb, rf, rc)
-    kinds = ("act", "weight" if rhs_is_weight else "act")
-    out = _canonical_matmul(recipe, kinds)(a, b)
+    kinds = ("act", "weight" if plain[1] else "act")
+    reduce = tuple(recipe.reduce_dtype if p else F32 for p in plain)
+    out = _canonical_matmul(recipe, kinds, (a.dtype, b.dtype), reduce)(a, b, amaxes)
     return out.reshape(out_shape)
 
 
@@ -172,20 +241,27 @@ def _fp8_conv(recipe: Float8Recipe, prim: jex.Primitive, params: dict, x, w):
     return conv(x, w)
 
 
-def fp8_matmul(recipe: Float8Recipe, eqn: jex.JaxprEqn, x, w, *, rhs_is_weight: bool):
-    """The FP8 product of ``eqn`` (a ``dot_general`` or conv) under ``recipe``."""
+def fp8_matmul(recipe: Float8Recipe, eqn: jex.JaxprEqn, x, w, *, plain: tuple, amaxes=(None, None)):
+    """The FP8 product of ``eqn`` (a ``dot_general`` or conv) under ``recipe``.
+
+    ``plain``: which operands are parameters or inputs (autocast's PLAIN role);
+    ``amaxes``: the operands' amaxes when computed beforehand (tensorwise dots).
+    """
     if eqn.primitive.name == "dot_general":
-        return _fp8_dot(recipe, eqn.params, x, w, rhs_is_weight)
+        return _fp8_dot(recipe, eqn.params, x, w, plain, amaxes)
     return _fp8_conv(recipe, eqn.primitive, dict(eqn.params), x, w)
 
 
-def fp8_operands(recipe: Float8Recipe, x, w, plain: tuple[bool, bool]):
+def fp8_operands(
+    recipe: Float8Recipe, x, w, plain: tuple[bool, bool], weights: WeightAmaxes | None = None
+):
     """autocast's hook: the operands to quantize, and the matmul to run on them.
 
     ``plain[i]``: operand ``i`` is a parameter, an input or a constant (autocast's
     PLAIN role). Those are quantized from their own dtype (as Transformer Engine
     casts master weights); activations arrive in the compute dtype. A plain right
-    operand is a weight for the blockwise recipe's 128x128 tiles.
+    operand is a weight for the blockwise recipe's 128x128 tiles. ``weights``:
+    the step's weight amaxes from one reduction (:func:`fp8_weight_amaxes`).
     """
     x, w = (
         v if p else _to_dtype(v, recipe.compute_dtype) for v, p in zip((x, w), plain, strict=True)
@@ -193,10 +269,24 @@ def fp8_operands(recipe: Float8Recipe, x, w, plain: tuple[bool, bool]):
 
     def matmul(eqn: jex.JaxprEqn, x, w, *extra, dtype: np.dtype):
         del extra, dtype  # dots and convs have no extra operands; the recipe gives the dtype
-        return fp8_matmul(recipe, eqn, x, w, rhs_is_weight=plain[1])
+        amaxes = tuple(
+            weights.get(eqn, i) if weights is not None and p else None for i, p in enumerate(plain)
+        )
+        return fp8_matmul(recipe, eqn, x, w, plain=plain, amaxes=amaxes)
 
     return x, w, matmul
 
 
 def _to_dtype(v, dtype: np.dtype):
     return v if v.dtype == dtype else jax.lax.convert_element_type(v, dtype)
+
+
+def fp8_weight_amaxes(recipe: Float8Recipe, closed: jex.ClosedJaxpr, inputs) -> WeightAmaxes | None:
+    """autocast's pre-pass: the amaxes of the weights ``closed``'s dots quantize, fused.
+
+    Tensorwise scales only (one per weight, the same in the forward and backward
+    products): the other recipes' weight groups are per row or block.
+    """
+    if recipe.scaling != "tensorwise":
+        return None
+    return weight_amaxes(closed, inputs)

@@ -78,14 +78,16 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def quantize(
-    x: jax.Array, dtype: np.dtype, groups: Groups, power_of_two: bool
+    x: jax.Array, dtype: np.dtype, groups: Groups, power_of_two: bool, amax: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """``x`` ``[B, P, C]`` -> (float8 ``[B, P, KB, kb]``, inverse scales ``[B, P, KB]``).
 
     A dim that does not divide into its groups is zero-padded for the amax (a
     partial group is scaled by the amax of the values it has); ``C`` stays
     padded (zeros add nothing to the product), ``P`` is sliced back. A ``C``
-    shorter than a block is one block, unpadded.
+    shorter than a block is one block, unpadded. ``amax``: the amax of the
+    whole operand, computed beforehand (tensorwise groups only; the fused
+    weight amaxes of ``_scales``).
     """
     x = x.astype(F32)
     b, p, c = x.shape
@@ -95,7 +97,8 @@ def quantize(
     rows = groups.rows or p
     tiles = _pad_to(x, 1, rows).reshape(b, -1, rows, nblocks, block)
     axes = (0, 2, 4) if groups.whole_batch else (2, 4)
-    amax = jnp.max(jnp.abs(tiles), axis=axes, keepdims=True)
+    if amax is None:
+        amax = jnp.max(jnp.abs(tiles), axis=axes, keepdims=True)
     scale = scale_from_amax(amax, dtype, power_of_two)
     q = saturating_cast(tiles * scale, dtype).reshape(b, -1, nblocks, block)[:, :p]
     inverse = jnp.broadcast_to(1 / scale, (b, tiles.shape[1], rows, nblocks, 1))
@@ -103,26 +106,31 @@ def quantize(
 
 
 def scaled_product(
-    a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], out_dtype: np.dtype
+    a: tuple[jax.Array, jax.Array],
+    b: tuple[jax.Array, jax.Array],
+    out_dtype: np.dtype,
+    accumulate: np.dtype = F32,
 ) -> jax.Array:
     """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` from two quantized operands.
 
     Float8 operands, float32 accumulation (``preferred_element_type``), then the
     inverse scales per group; with blocks along C the partial products of each
     block are scaled and summed in float32 (DeepSeek-V3's promotion per block).
+    ``accumulate``: the dtype of the float8 product's result (of the scaled
+    blocks' sum with blocks along C), in which the SPMD partitioner reduces it
+    across devices when C is sharded (a weight gradient's ``reduce_dtype``).
     """
     (qa, inv_a), (qb, inv_b) = a, b
     nblocks = qa.shape[2]
     if nblocks == 1:
-        out = jax.lax.dot_general(
-            qa[:, :, 0], qb[:, :, 0], (((2,), (2,)), ((0,), (0,))), preferred_element_type=F32
-        )
-        out = out * inv_a * jnp.swapaxes(inv_b, 1, 2)
+        dims = (((2,), (2,)), ((0,), (0,)))
+        out = jax.lax.dot_general(qa[:, :, 0], qb[:, :, 0], dims, preferred_element_type=accumulate)
+        out = out.astype(F32) * inv_a * jnp.swapaxes(inv_b, 1, 2)
     else:
         partial = jax.lax.dot_general(
             qa, qb, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=F32
         )  # [B, KB, P, Q]
         a_scale = jnp.transpose(inv_a, (0, 2, 1))[..., None]
         b_scale = jnp.transpose(inv_b, (0, 2, 1))[:, :, None, :]
-        out = jnp.sum(partial * a_scale * b_scale, axis=1)
+        out = jnp.sum((partial * a_scale * b_scale).astype(accumulate), axis=1)
     return out.astype(out_dtype)

@@ -24,6 +24,7 @@ _FP8_DTYPES = {
     "float8_e5m2": jnp.float8_e5m2,
 }
 _COMPUTE_DTYPES = ("bfloat16", "float16")
+_REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 FP8_PRESET = "mixed_float8"
 
@@ -55,6 +56,17 @@ def _compute_dtype(value: Any) -> np.dtype:
             "Float8Recipe(compute_dtype=...) is the dtype of matmul results and of "
             "everything that is not a matmul, and must be 16-bit: jnp.bfloat16 (default) "
             f"or jnp.float16; got {dtype.name if dtype else repr(value)}."
+        )
+    return dtype
+
+
+def _reduce_dtype(value: Any) -> np.dtype:
+    dtype = _as_dtype(value)
+    if dtype is None or dtype.name not in _REDUCE_DTYPES:
+        raise TypeError(
+            "Float8Recipe(reduce_dtype=...) is the dtype weight gradients are reduced "
+            "across devices in: jnp.float32 (default), jnp.bfloat16 or jnp.float16; "
+            f"got {dtype.name if dtype else repr(value)}."
         )
     return dtype
 
@@ -110,13 +122,20 @@ class Float8Recipe:
         native on NVIDIA GPUs of compute capability 10.0 or newer, emulated
         elsewhere. The other scalings have no native form and run as
         ``"emulated"``.
+      reduce_dtype: the dtype of the weight-gradient products' results, which
+        the SPMD partitioner reduces across devices (all-reduce or
+        reduce-scatter) when the weights are sharded: ``jnp.float32``
+        (default, as FSDP2's and Megatron's usual choice) or a 16-bit dtype
+        (half the bytes; the gradient is rounded before the sum).
+        ``recipe.policy.reduce_dtype``.
 
     Raises:
       ValueError: an unknown ``scaling`` or ``gemm``; ``gemm="native"`` with
         a scaling other than ``"mxfp8"``, or, when a product is traced, on a
         backend for which this JAX has no lowering of ``jax.nn.scaled_matmul``.
       TypeError: a non-float8 ``forward_dtype``/``gradient_dtype``, a
-        ``compute_dtype`` that is not 16-bit, a non-bool ``power_of_two_scale``.
+        ``compute_dtype`` that is not 16-bit, a ``reduce_dtype`` that is not
+        float32/bfloat16/float16, a non-bool ``power_of_two_scale``.
 
     >>> import jax.numpy as jnp, jaxamp
     >>> recipe = jaxamp.Float8Recipe(scaling="rowwise")
@@ -135,6 +154,7 @@ class Float8Recipe:
     power_of_two_scale: bool = False
     compute_dtype: Any = jnp.bfloat16
     gemm: str = "auto"
+    reduce_dtype: Any = jnp.float32
 
     def __post_init__(self):
         if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
@@ -157,13 +177,15 @@ class Float8Recipe:
         )
         set_(self, "power_of_two_scale", bool(self.power_of_two_scale))
         set_(self, "compute_dtype", _compute_dtype(self.compute_dtype))
+        set_(self, "reduce_dtype", _reduce_dtype(self.reduce_dtype))
 
     def __repr__(self) -> str:
         return (
             f"Float8Recipe(scaling={self.scaling!r}, forward_dtype={self.forward_dtype.name}, "
             f"gradient_dtype={self.gradient_dtype.name}, "
             f"power_of_two_scale={self.power_of_two_scale}, "
-            f"compute_dtype={self.compute_dtype.name}, gemm={self.gemm!r})"
+            f"compute_dtype={self.compute_dtype.name}, gemm={self.gemm!r}, "
+            f"reduce_dtype={self.reduce_dtype.name})"
         )
 
     def __str__(self) -> str:
@@ -171,12 +193,13 @@ class Float8Recipe:
             ",pow2" if self.power_of_two_scale and not SCALINGS[self.scaling].exact_scales else ""
         )
         gemm = f",{self.gemm}" if self.gemm != "auto" else ""
-        return f"fp8:{self.scaling}{pow2}{gemm}"
+        reduce = f",reduce={self.reduce_dtype.name}" if self.reduce_dtype != np.float32 else ""
+        return f"fp8:{self.scaling}{pow2}{gemm}{reduce}"
 
     @property
     def policy(self) -> Policy:
         """The 16-bit policy everything except the matmuls runs under."""
-        return Policy(np.float32, self.compute_dtype, np.float32)
+        return Policy(np.float32, self.compute_dtype, np.float32, reduce_dtype=self.reduce_dtype)
 
     @property
     def exact_scales(self) -> bool:

@@ -290,3 +290,28 @@ def test_low_precision_smoke(tmp_path):
             assert _positive(timed["ratio_median"]) and _positive(timed["ratio_cpu"])
     assert results["float32_master"]["ratio_median"] == 1.0
     assert results["float32_master"]["update"]["ratio_cpu"] == 1.0
+
+
+def test_fp8_wire_smoke(tmp_path):
+    # 8 CPU devices must be forced before jax is imported: a fresh interpreter.
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "fp8_wire.json"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [sys.executable, "-m", "benchmarks.fp8_wire", "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (result,) = json.loads(out.read_text())["results"].values()
+    # The GPT's 7 matmul weights: each gathered once in float8, their amaxes in one all-reduce.
+    assert result["float8_weight_gathers"] == 7
+    assert result["fused_weight_amax_all_reduces"] == 1
+    assert result["fused_weight_amaxes"] == [[7]]
+    assert 0 < result["gather_bytes_per_param"]["float8_e4m3fn"] <= 1.1
+    assert set(result["gradient_reduce_bytes_per_param"]) >= {"float32"}

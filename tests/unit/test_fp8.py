@@ -233,6 +233,7 @@ def test_everything_but_the_matmuls_runs_as_mixed_bfloat16():
         ({"power_of_two_scale": 1}, TypeError, ["power_of_two_scale", "True or False"]),
         ({"gemm": "cudnn"}, ValueError, ["gemm", "'cudnn'", "'native'", "'emulated'"]),
         ({"gemm": "native"}, ValueError, ["gemm='native'", "scaling='mxfp8'", "'tensorwise'"]),
+        ({"reduce_dtype": jnp.float8_e4m3fn}, TypeError, ["reduce_dtype", "float32", "bfloat16"]),
     ],
 )
 def test_bad_recipe_fields_name_the_argument_and_the_fix(kwargs, error, words):
