@@ -79,7 +79,7 @@ def test_numerics_report_and_monitor(spec, dtypes, recipe):
 
 @pytest.mark.parametrize(("spec", "dtypes", "recipe"), SPECS, ids=IDS)
 def test_flax_adapters(spec, dtypes, recipe):
-    param, compute, _ = dtypes
+    param, compute, output = dtypes
     model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
     jaxamp.flax.set_policy(model, spec)
     assert (model.dtype, model.kernel.dtype) == (compute, param)
@@ -91,9 +91,10 @@ def test_flax_adapters(spec, dtypes, recipe):
     with jaxamp.flax.linen_policy(spec):
         variables = dense.init(jax.random.key(0), X)
         out = dense.apply(variables, X)
-    assert (variables["params"]["kernel"].dtype, out.dtype) == (param, compute)
+    # The model's output follows the policy's output dtype.
+    assert (variables["params"]["kernel"].dtype, out.dtype) == (param, output)
     with jaxamp.flax.linen_policy("float32", {nn.Dense: spec}):
-        assert dense.apply(variables, X).dtype == compute
+        assert dense.apply(variables, X).dtype == F32  # the root's output: the default policy
 
 
 @pytest.mark.parametrize(("spec", "error"), BAD, ids=[repr(s) for s, _ in BAD])
