@@ -276,3 +276,27 @@ def test_fp8_fidelity_fast_runs_an_fp8_recipe_next_to_bfloat16(tmp_path):
     table = (tmp_path / "fp8_fidelity.md").read_text()
     assert "| autocast_fp8_rowwise | 1 |" in table
     assert len((tmp_path / "fp8_fidelity.jsonl").read_text().splitlines()) == 2
+
+
+def test_sharded_gpt_fast_trains_on_8_devices_and_reads_its_wire_bytes():
+    from tests.helpers import run_with_devices
+
+    args = ("--fast", "--settings", "float32,mixed_bfloat16", "--json")
+    rows = {
+        r["setting"]: r for r in run_with_devices(str(EXAMPLES / "sharded_gpt.py"), 8, 600, args)
+    }
+    assert set(rows) == {"float32", "mixed_bfloat16"}
+    f32, bf16 = rows["float32"], rows["mixed_bfloat16"]
+    for r in rows.values():
+        assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0]
+    # Same weights, same batch: the first losses differ by bfloat16 rounding only.
+    assert abs(bf16["losses"][0] - f32["losses"][0]) < 2e-2
+    # FSDP in float32: every weight gathered and its gradient reduced in float32,
+    # about 4 bytes per parameter each (all matrices are sharded, vectors are not).
+    assert set(f32["B_per_param"]) == {"gather float32", "reduce float32"}
+    assert 3.5 < f32["B_per_param"]["gather float32"] <= 4.1
+    assert 3.5 < f32["B_per_param"]["reduce float32"] <= 4.1
+    # bfloat16 compute gathers the weights in bfloat16; gradients are reduced in float32.
+    assert bf16["B_per_param"].get("gather bfloat16", 0) > 1.0
+    assert 3.5 < bf16["B_per_param"]["reduce float32"] <= 4.1
+    assert f32["bytes_per_step"] > 0 and bf16["bytes_per_step"] > 0
