@@ -31,13 +31,16 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+if __name__ == "__main__" and "--xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
     # Before jax is imported: 8 CPU devices for the partitioner.
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
 import importlib.util
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,11 +48,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from benchmarks import _harness
 from benchmarks._models import GPT, GPTConfig, gpt_loss_fn
+from benchmarks._sharding import LAYOUTS, TP_SPECS, batch_spec, param_specs
 from jaxamp._communication import report_from_hlo
 
 NAME = "comm_bytes"
@@ -58,19 +61,6 @@ CONFIG = GPTConfig(vocab=512, seq=64, d_model=256, n_heads=8, d_ff=1024, n_layer
 SMOKE_CONFIG = GPTConfig(vocab=64, seq=16, d_model=64, n_heads=8, d_ff=128, n_layers=1, batch=8)
 REDUCE_BF16 = "params=float32,compute=bfloat16,output=float32,reduce=bfloat16"
 TPU_TOPOLOGY = "v5e:2x4"
-# Column-parallel kernels shard their output features, row-parallel ones their inputs.
-_TP_SPECS = {
-    ("query", "kernel"): P(None, "d", None),
-    ("key", "kernel"): P(None, "d", None),
-    ("value", "kernel"): P(None, "d", None),
-    ("query", "bias"): P("d", None),
-    ("key", "bias"): P("d", None),
-    ("value", "bias"): P("d", None),
-    ("out", "kernel"): P("d", None, None),
-    ("Dense_0", "kernel"): P(None, "d"),
-    ("Dense_0", "bias"): P("d"),
-    ("Dense_1", "kernel"): P("d", None),
-}
 
 
 def _policy_cast(spec: str) -> Callable[[Callable], Callable]:
@@ -86,29 +76,7 @@ SETTINGS: dict[str, Callable[[Callable], Callable]] = {
     "autocast_bf16_reduce_bf16": lambda loss: jaxamp.autocast(loss, jaxamp.get_policy(REDUCE_BF16)),
     "autocast_fp8": lambda loss: jaxamp.autocast(loss, "mixed_float8"),
 }
-LAYOUTS = ("fsdp", "tp")
 SMOKE_SETTINGS = ["float32", "autocast_bf16"]
-
-
-def _fsdp_spec(shape: tuple[int, ...]) -> P:
-    dims = [i for i in np.argsort(shape)[::-1] if shape[i] % N_DEVICES == 0]
-    if not dims:
-        return P()
-    spec = [None] * len(shape)
-    spec[int(dims[0])] = "d"
-    return P(*spec)
-
-
-def _tp_spec(path: tuple, _shape: tuple[int, ...]) -> P:
-    keys = tuple(getattr(k, "key", str(k)) for k in path)
-    return _TP_SPECS.get(keys[-2:], P())
-
-
-def param_specs(params: Any, layout: str) -> Any:
-    """The PartitionSpec of every parameter in ``layout`` ("fsdp" or "tp")."""
-    if layout == "fsdp":
-        return jax.tree.map(lambda p: _fsdp_spec(p.shape), params)
-    return jax.tree_util.tree_map_with_path(lambda k, p: _tp_spec(k, p.shape), params)
 
 
 def _abstract(tree: Any, specs: Any, mesh: Any) -> Any:
@@ -127,8 +95,8 @@ def sharded_step(config: GPTConfig, setting: str, layout: str, mesh: Any) -> tup
     tokens = jax.ShapeDtypeStruct((1, config.seq), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     loss = SETTINGS[setting](gpt_loss_fn(model))
-    p_specs = param_specs(params, layout)
-    b_spec = P("d") if layout == "fsdp" else P()
+    p_specs = param_specs(params, layout, N_DEVICES)
+    b_spec = batch_spec(layout)
     batch = {
         k: jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
         for k in ("inputs", "targets")
@@ -154,8 +122,11 @@ def summarize(report: jaxamp.CommunicationReport, activation_bytes: int) -> dict
         }
         for (kind, dtype), (count, total) in report.totals().items()
     }
+    # One-element all-reduces are scalars (a loss average, an FP8 amax), not gradients.
     reductions = [
-        c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter") and c.shape
+        c
+        for c in report.collectives
+        if c.kind in ("all-reduce", "reduce-scatter") and math.prod(c.shape) > 1
     ]
     total = report.bytes_by()
     return {
@@ -163,7 +134,9 @@ def summarize(report: jaxamp.CommunicationReport, activation_bytes: int) -> dict
         "by_kind_dtype": by_kind,
         "gather_B_per_param": round(report.bytes_per_param("all-gather"), 4),
         "reduce_B_per_param": round(sum(c.bytes for c in reductions) / report.param_count, 4),
-        "scalar_all_reduces": sum(1 for c in report.collectives if not c.shape),
+        "scalar_all_reduces": sum(
+            1 for c in report.collectives if c.kind == "all-reduce" and math.prod(c.shape) == 1
+        ),
         "total_B_per_param": round(total / report.param_count, 4),
         "total_in_bf16_activations": round(total / activation_bytes, 2),
     }
@@ -213,18 +186,17 @@ def measure(config: GPTConfig, settings: Sequence[str]) -> list[dict[str, Any]]:
 
 def table(results: list[dict[str, Any]]) -> str:
     headers = ["layout", "setting", "gather B/p", "reduce B/p", "scalar ARs", "total B/p", "x act"]
-    rows = [
-        [
-            r["layout"],
-            r["setting"],
-            r["partitioned"]["gather_B_per_param"],
-            r["partitioned"]["reduce_B_per_param"],
-            r["partitioned"]["scalar_all_reduces"],
-            r["partitioned"]["total_B_per_param"],
-            r["partitioned"]["total_in_bf16_activations"],
-        ]
-        for r in results
-    ]
+    headers += ["TPU gather B/p", "TPU reduce B/p"]
+    rows = []
+    for r in results:
+        part, tpu = r["partitioned"], r.get("tpu_final", {})
+        rows.append(
+            [r["layout"], r["setting"]]
+            + [part[k] for k in ("gather_B_per_param", "reduce_B_per_param")]
+            + [part[k] for k in ("scalar_all_reduces", "total_B_per_param")]
+            + [part["total_in_bf16_activations"]]
+            + [tpu.get("gather_B_per_param", "-"), tpu.get("reduce_B_per_param", "-")]
+        )
     return _harness.format_table(headers, rows)
 
 
@@ -237,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "gpt": config.__dict__,
         "n_params": config.n_params(),
         "devices": N_DEVICES,
-        "layouts": {"fsdp": "largest dim sharded, batch sharded", "tp": str(_TP_SPECS)},
+        "layouts": {"fsdp": "largest dim sharded, batch sharded", "tp": str(TP_SPECS)},
         "settings": SMOKE_SETTINGS if args.smoke else list(SETTINGS),
         "view": "after SPMD partitioning (communication_report); tpu_final: the TPU "
         f"program compiled ahead of time for {TPU_TOPOLOGY} when libtpu is importable",

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+if __name__ == "__main__" and "--xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
