@@ -15,6 +15,11 @@ ratios to float32-master Adam: on a GPU that step is bound by the bytes it moves
 The full size runs only on a GPU; on another backend the script records that it was skipped.
 ``--smoke`` runs tiny dims on any backend (CI; the numbers mean nothing).
 
+Multi-GPU row (``payload["multi_gpu"]``, ``benchmarks/_multi_gpu.py``): with two or more
+GPUs, the GPT sharded FSDP-style over all of them, float32 and autocast bf16 (float32 and
+bf16 gradient reduction) and fp8: step time, tokens/s and the bytes per parameter each step
+sends (``jaxamp.communication_report``); skipped otherwise.
+
 FP8 rows (``payload["fp8_gemm"]``, ``payload["fp8_step"]``): square GEMMs of 1k to 16k and
 the GPT step (float32 model, loss under ``jaxamp.autocast``), each ``jaxamp.Float8Recipe``
 scaling against ``"mixed_bfloat16"`` through the same autocast, timed interleaved in one
@@ -47,6 +52,7 @@ import optax
 
 import jaxamp
 from benchmarks import _harness, _models, low_precision
+from benchmarks._multi_gpu import multi_gpu_rows
 from jaxamp._fp8 import SCALINGS  # the scaling table: a new scaling gets its rows
 
 NAME = "gpu_speed"
@@ -395,6 +401,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             ),
         }
     print(low_precision.table(payload["optimizer"]["results"]))
+    # FSDP over every GPU (skipped with fewer than two); batch divisible by the count.
+    with jax.numpy_dtype_promotion("standard"):
+        payload["multi_gpu"] = multi_gpu_rows(config, reps, steps_per_rep)
+    print(payload["multi_gpu"]["status"])
     _harness.write_json(out, payload)
     return payload
 

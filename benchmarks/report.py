@@ -12,6 +12,7 @@ from benchmarks import (
     _harness,
     activation_memory,
     autocast_cpu_speed,
+    comm_bytes,
     compile_scaling,
     follow_rule,
     gpu_speed,
@@ -31,6 +32,7 @@ TABLES = {
     "follow_rule": follow_rule.table,
     "low_precision": low_precision.table,
     "numerics_cost": numerics_cost.table,
+    "comm_bytes": comm_bytes.table,
 }
 
 

@@ -32,7 +32,14 @@ from jaxamp._hlo import (
     parse_module,
 )
 
-__all__ = ["Collective", "CommunicationReport", "as_dtype", "communication_report"]
+__all__ = [
+    "Collective",
+    "CommunicationReport",
+    "as_dtype",
+    "communication_report",
+    "floating_elements",
+    "report_from_hlo",
+]
 
 # Opcodes a parameter passes through unchanged in what matters here (its elements),
 # on its way to a collective: casts, layout changes, and the elementwise steps of
@@ -224,11 +231,14 @@ def communication_report(fun: Callable, *args: Any, **kwargs: Any) -> Communicat
     check_callable(fun, "fun")
     jitted = fun if callable(getattr(fun, "lower", None)) else jax.jit(fun)
     lowered = jitted.lower(*args, **kwargs)
-    text = _partitioned_hlo(lowered)
+    return report_from_hlo(_partitioned_hlo(lowered), floating_elements(args[0] if args else None))
+
+
+def report_from_hlo(text: str, param_count: int) -> CommunicationReport:
+    """The report of an HLO module's text (any stage: a backend's final program too)."""
     module = parse_module(text)
     collectives = tuple(c for inst in module.collectives() for c in _describe(inst, module))
-    params = args[0] if args else None
-    return CommunicationReport(collectives, _floating_elements(params), module.num_partitions, text)
+    return CommunicationReport(collectives, param_count, module.num_partitions, text)
 
 
 def _partitioned_hlo(lowered: Any) -> str:
@@ -346,7 +356,7 @@ def _is_jaxamp_file(file: str) -> bool:
     )
 
 
-def _floating_elements(tree: Any) -> int:
+def floating_elements(tree: Any) -> int:
     return sum(
         math.prod(np.shape(leaf))
         for leaf in jax.tree.leaves(tree)

@@ -86,7 +86,10 @@ class HloInstruction:
 
 @dataclasses.dataclass
 class HloModule:
-    """The instructions of a module by name, its entry computation and frame tables."""
+    """The instructions of a module by name, its entry computation and frame tables.
+
+    ``num_partitions`` counts the devices: partitions times replicas.
+    """
 
     instructions: dict[str, HloInstruction]
     entry: str
@@ -158,7 +161,9 @@ def parse_module(text: str) -> HloModule:
         inst = _parse_instruction(line, computation, frames)
         if inst is not None:
             instructions[inst.name] = inst
-    return HloModule(instructions, entry, int(partitions[1]) if partitions else 1, frames)
+    replicas = re.search(r"replica_count=(\d+)", header)  # pmap's programs
+    devices = (int(partitions[1]) if partitions else 1) * (int(replicas[1]) if replicas else 1)
+    return HloModule(instructions, entry, devices, frames)
 
 
 def _parse_instruction(

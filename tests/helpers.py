@@ -57,8 +57,12 @@ def assert_close(got: Any, want: Any, tol: float = 3e-2) -> None:
     assert rel_err(got, want) <= tol
 
 
-def run_with_devices(script: str, n_devices: int = 8, timeout: int = 300) -> dict:
-    """Runs ``script`` in a subprocess with ``n_devices`` CPU devices; its last stdout line as JSON.
+def run_with_devices(
+    script: str, n_devices: int = 8, timeout: int = 300, args: tuple[str, ...] = ()
+) -> Any:
+    """Runs ``script`` (with ``args``) in a subprocess with ``n_devices`` CPU devices.
+
+    Returns its last stdout line, parsed as JSON.
 
     ``XLA_FLAGS`` must be set before jax is imported, so a test that needs several
     devices runs its measurements in a fresh interpreter (the file itself, as a
@@ -70,7 +74,7 @@ def run_with_devices(script: str, n_devices: int = 8, timeout: int = 300) -> dic
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, script],
+        [sys.executable, script, *args],
         env=env,
         capture_output=True,
         text=True,

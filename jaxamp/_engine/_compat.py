@@ -53,6 +53,7 @@ __all__ = [
     "shard_map_parts",
     "source_frames",
     "sub_closed_jaxprs",
+    "tracks_variance",
     "vary_like",
     "varying_axes",
     "while_parts",
@@ -383,6 +384,16 @@ def varying_axes(x: Any) -> frozenset:
     # jax 0.10 to 0.12: aval.mat.varying; the older spelling was aval.vma.
     axes = getattr(getattr(aval, "mat", None), "varying", None)
     return frozenset(axes if axes is not None else getattr(aval, "vma", ()))
+
+
+def tracks_variance(axis_name: str) -> bool:
+    """Whether the enclosing map tracks which values vary over ``axis_name``.
+
+    True inside ``jax.shard_map`` with ``check_vma=True`` (the default), where
+    ``axis_index`` varies over its axis; False under ``check_vma=False`` and
+    ``pmap``, where every value reads as invariant.
+    """
+    return axis_name in varying_axes(jax.lax.axis_index(axis_name))
 
 
 def vary_like(out: Any, *inputs: Any) -> Any:

@@ -12,6 +12,7 @@ import optax
 from jaxamp._casting import is_floating, widen
 from jaxamp._checks import check_transformation, is_int
 from jaxamp._loss_scaling._finite import all_finite, check_float_grads, select, select_tree
+from jaxamp._loss_scaling._reduction import reduce_grads
 from jaxamp._loss_scaling._scales import DynamicLossScale, LossScale
 from jaxamp._loss_scaling._skip_guard import (
     check_max_consecutive_skips,
@@ -140,7 +141,9 @@ def loss_scaling(
         each device holds its own grads: ``pmap``, ``shard_map(check_vma=False)``.
         Under ``shard_map``'s default ``check_vma=True`` JAX already sums the
         grads of replicated params in the backward pass: keep ``None`` (the
-        default) there and ``lax.pmean`` the loss instead.
+        default) there and ``lax.pmean`` the loss instead; a gradient that does
+        not vary over ``axis_name`` there raises a ``ValueError`` (reducing it
+        again would scale the update by the device count).
       accumulation_steps: micro-batches per optimizer step (default 1).
       max_consecutive_skips: opt-in guard against skipping silently forever:
         once this many steps in a row were skipped, the step warns (a
@@ -230,15 +233,9 @@ def _unscale(updates: Any, loss_scale: Any, config: _Config, *, keep_dtype: bool
     """
     if config.grad_reduction is None:
         return loss_scale.unscale(updates if keep_dtype else jax.tree.map(widen, updates))
-    reduce = jax.lax.pmean if config.grad_reduction == "mean" else jax.lax.psum
-
-    def one(g):
-        if not is_floating(g):
-            return g
-        unscaled = loss_scale.unscale(reduce(widen(g), config.axis_name))
-        return unscaled.astype(g.dtype) if keep_dtype else unscaled
-
-    return jax.tree.map(one, updates)
+    return reduce_grads(
+        updates, loss_scale, config.axis_name, config.grad_reduction, keep_dtype=keep_dtype
+    )
 
 
 def raw_grads_checkable(loss_scale: Any, grad_reduction: str | None) -> bool:

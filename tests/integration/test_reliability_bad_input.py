@@ -34,6 +34,22 @@ def _integer_grads_update():
     tx.update({"w": jnp.ones(3), "count": jnp.int32(1)}, tx.init(params), params)
 
 
+def _shard_mapped_update(grad_reduction):
+    """loss_scaling's update of a replicated param's grads in shard_map (check_vma=True)."""
+    mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), axis_name="i", grad_reduction=grad_reduction)
+    params = {"w": jnp.ones(2)}
+
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.sum(p["w"] * x))(params)  # summed over "i" by JAX
+        return tx.update(grads, tx.init(params), params)[0]
+
+    spec = jax.sharding.PartitionSpec
+    return jax.shard_map(step, mesh=mesh, in_specs=(spec(), spec("i")), out_specs=spec())(
+        params, jnp.ones(2)
+    )
+
+
 # (what the user wrote, the call, error type, fragments the message must contain)
 CASES = [
     (
@@ -228,6 +244,12 @@ CASES = [
         lambda: jaxamp.loss_scaling(optax.sgd(0.1), grad_reduction="max", axis_name="i"),
         ValueError,
         ["grad_reduction", "'mean'", "'max'"],
+    ),
+    (
+        'shard_map(step) with loss_scaling(tx, axis_name="i", grad_reduction="mean")',
+        lambda: _shard_mapped_update("mean"),
+        ValueError,
+        ["grad_reduction='mean'", "axis_name='i'", "grads['w']", "check_vma", "device count"],
     ),
     (
         "loss_scaling(tx, accumulation_steps=0)",

@@ -14,6 +14,7 @@ import pytest
 import jaxamp
 from benchmarks import (
     _models,
+    _multi_gpu,
     _variants,
     activation_memory,
     autocast_cpu_speed,
@@ -175,6 +176,11 @@ def test_follow_rule_smoke(tmp_path):
 def test_gpu_speed_smoke(tmp_path):
     out = tmp_path / "gpu.json"
     gpu_speed.main(["--smoke", "--out", str(out)])
+    multi = _load(out)["multi_gpu"]
+    if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
+        assert multi["status"].startswith("skipped: needs 2 or more GPUs") and not multi["results"]
+    else:
+        assert {r["setting"] for r in multi["results"]} == set(_multi_gpu.SETTINGS)
     payload = _load(out)
     assert payload["status"] == "ok"
     combos = {(r["precision"], r["padded"]) for r in payload["results"]}
@@ -315,3 +321,31 @@ def test_fp8_wire_smoke(tmp_path):
     assert result["fused_weight_amaxes"] == [[7]]
     assert 0 < result["gather_bytes_per_param"]["float8_e4m3fn"] <= 1.1
     assert set(result["gradient_reduce_bytes_per_param"]) >= {"float32"}
+
+
+@pytest.mark.slow  # four partitioned GPT programs compiled on 8 CPU devices
+def test_comm_bytes_smoke_reports_both_layouts(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "comm_bytes.json"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env["JAX_PLATFORMS"] = "cpu"
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "benchmarks.comm_bytes", "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = _load(out)
+    rows = {(r["layout"], r["setting"]): r["partitioned"] for r in payload["results"]}
+    assert set(rows) == {(lay, s) for lay in ("fsdp", "tp") for s in ("float32", "autocast_bf16")}
+    f32 = rows[("fsdp", "float32")]
+    # float32 FSDP: floating collectives only in float32 (token ids may move as int32),
+    # each weight gathered and reduced.
+    floating = [k for k in f32["by_kind_dtype"] if "float" in k]
+    assert floating and all(k.endswith("/float32") for k in floating)
+    assert f32["gather_B_per_param"] >= 3.5 and f32["reduce_B_per_param"] >= 3.5
+    # Tensor parallel replicates the batch: reductions of activations, no weight gathers.
+    assert rows[("tp", "float32")]["gather_B_per_param"] == 0
+    assert rows[("tp", "float32")]["reduce_B_per_param"] > 0

@@ -342,3 +342,27 @@ def test_loss_scale_plot_draws_setups_with_the_same_constant_scale_as_one_line()
         "mixed_float16",
         "mixed_float16_suggested_scale",
     ]
+
+
+def test_sharded_gpt_fast_trains_on_8_devices_and_reads_its_wire_bytes():
+    from tests.helpers import run_with_devices
+
+    args = ("--fast", "--settings", "float32,mixed_bfloat16", "--json")
+    rows = {
+        r["setting"]: r for r in run_with_devices(str(EXAMPLES / "sharded_gpt.py"), 8, 600, args)
+    }
+    assert set(rows) == {"float32", "mixed_bfloat16"}
+    f32, bf16 = rows["float32"], rows["mixed_bfloat16"]
+    for r in rows.values():
+        assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0]
+    # Same weights, same batch: the first losses differ by bfloat16 rounding only.
+    assert abs(bf16["losses"][0] - f32["losses"][0]) < 2e-2
+    # FSDP in float32: every weight gathered and its gradient reduced in float32,
+    # about 4 bytes per parameter each (all matrices are sharded, vectors are not).
+    assert set(f32["B_per_param"]) == {"gather float32", "reduce float32"}
+    assert 3.5 < f32["B_per_param"]["gather float32"] <= 4.1
+    assert 3.5 < f32["B_per_param"]["reduce float32"] <= 4.1
+    # bfloat16 compute gathers the weights in bfloat16; gradients are reduced in float32.
+    assert bf16["B_per_param"].get("gather bfloat16", 0) > 1.0
+    assert 3.5 < bf16["B_per_param"]["reduce float32"] <= 4.1
+    assert f32["bytes_per_step"] > 0 and bf16["bytes_per_step"] > 0
