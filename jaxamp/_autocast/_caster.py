@@ -142,6 +142,17 @@ class Autocaster:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
         return ACTIVATION if dtype == self.compute_dtype else PINNED
 
+    def gradient_dtype(self, role: int) -> np.dtype:
+        """The result dtype of the backward product giving a contraction operand's cotangent.
+
+        float32 accumulation, except that the gradient of a parameter (a PLAIN
+        operand) comes out in a 16-bit ``policy.reduce_dtype``: under SPMD
+        partitioning the partitioner reduces it across devices right after that
+        product, in its result dtype.
+        """
+        reduce = np.dtype(self.policy.reduce_dtype)
+        return reduce if role == PLAIN and reduce.itemsize < 4 else _F32
+
     # -- helpers for the higher-order rules ---------------------------------------
 
     def function_of(self, closed: jex.ClosedJaxpr, prefix: Sequence[tuple], roles, box: list):
@@ -239,7 +250,10 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     else:
         lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
         rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)
-        matmul = functools.partial(run_matmul, transposable=ac.transposable)
+        grad_dtypes = (ac.gradient_dtype(lhs_role), ac.gradient_dtype(rhs_role))
+        matmul = functools.partial(
+            run_matmul, transposable=ac.transposable, grad_dtypes=grad_dtypes
+        )
     unpad = None
     if ac.pad_to is not None:
         lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)
