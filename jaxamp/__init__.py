@@ -35,6 +35,7 @@ from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._version import __version__
+from jaxamp._wire import gather_params
 
 if _importlib_util.find_spec("flax") is not None:
     # Eager, so that a checkpoint restores the scale's configuration whether or not
@@ -64,6 +65,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "gather_params",
     "get_loss_scale",
     "get_policy",
     "loss_scaling",

@@ -35,6 +35,7 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
+from jaxamp._wire import all_gather_cast, vary_before_cast
 
 __all__ = [
     "KIND_RULES",
@@ -202,6 +203,10 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """
     if ac.breaks_in_compute_dtype(eqn, ins):
         return float32(ac, eqn, ins)
+    if _gathers_a_parameter(ac, eqn, ins):
+        (shard, _), *_ = ins
+        return [(_gathered_parameter(ac, eqn, shard), ACTIVATION)]
+    ins = _lookup_table_in_compute_dtype(ac, eqn, ins)
     values, role = ac.follow_values(eqn, ins)
     operand_dtypes = {v.dtype for v in values if is_float(v)}
     outs = []
@@ -213,6 +218,38 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         else:
             outs.append((out, ac.role_of_cast(out.dtype)))
     return outs
+
+
+def _gathers_a_parameter(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
+    # An ``all_gather`` of a float parameter shard (FSDP inside shard_map).
+    if eqn.primitive.name != "all_gather" or eqn.params.get("axis_index_groups"):
+        return False
+    (shard, role), *_ = ins
+    narrower = is_float(shard) and ac.compute_dtype.itemsize < np.dtype(shard.dtype).itemsize
+    return role == PLAIN and narrower
+
+
+def _gathered_parameter(ac: Autocaster, eqn: jex.JaxprEqn, shard: Any) -> Any:
+    """The all-gather in ``gather_dtype``, its gradient reduce-scattered in ``reduce_dtype``."""
+    p = eqn.params
+    return all_gather_cast(shard, ac.policy, p["axis_name"], p["all_gather_dimension"], p["tiled"])
+
+
+def _lookup_table_in_compute_dtype(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list:
+    """A ``gather`` from a traced float table (an embedding) reads it in the compute dtype.
+
+    The rows it picks would meet the activations, and be cast, anyway; cast
+    first, a table sharded across devices is all-gathered in 16 bits, like the
+    weights the matmuls cast, and what follows (a position embedding added,
+    the residual stream) runs in the compute dtype from the start.
+    """
+    if eqn.primitive.name != "gather":
+        return ins
+    (table, role), *rest = ins
+    narrower = is_float(table) and ac.compute_dtype.itemsize < np.dtype(table.dtype).itemsize
+    if role != PLAIN or not narrower or np.ndim(table) < 2 or isinstance(table, np.ndarray):
+        return ins
+    return [(saturating_cast(table, ac.compute_dtype), ACTIVATION), *rest]
 
 
 def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
@@ -248,6 +285,11 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain)
     else:
+        reduce = ac.policy.reduce_dtype
+        if lhs_role == PLAIN:  # a parameter's gradient is psum-ed in reduce_dtype
+            lhs = vary_before_cast(lhs, rhs, reduce)
+        if rhs_role == PLAIN:
+            rhs = vary_before_cast(rhs, lhs, reduce)
         lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
         rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)
         grad_dtypes = (ac.gradient_dtype(lhs_role), ac.gradient_dtype(rhs_role))
