@@ -17,6 +17,7 @@ import importlib.util as _importlib_util
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
+from jaxamp._communication import Collective, CommunicationReport, communication_report
 from jaxamp._fp8 import Float8Recipe
 from jaxamp._loss_scaling._finite import all_finite, select_tree
 from jaxamp._loss_scaling._scaled_grad import scaled_value_and_grad
@@ -46,6 +47,8 @@ __all__ = [
     "AUTOCAST_RULES",
     "AccumulationState",
     "AutocastContext",
+    "Collective",
+    "CommunicationReport",
     "DynamicLossScale",
     "Float8Recipe",
     "LossScale",
@@ -65,6 +68,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "communication_report",
     "gather_params",
     "get_loss_scale",
     "get_policy",

@@ -6,6 +6,10 @@ the repository root on ``sys.path``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -51,3 +55,27 @@ def rel_err(got: Any, want: Any) -> float:
 def assert_close(got: Any, want: Any, tol: float = 3e-2) -> None:
     """:func:`rel_err` of ``got`` against the reference ``want`` is at most ``tol``."""
     assert rel_err(got, want) <= tol
+
+
+def run_with_devices(script: str, n_devices: int = 8, timeout: int = 300) -> dict:
+    """Runs ``script`` in a subprocess with ``n_devices`` CPU devices; its last stdout line as JSON.
+
+    ``XLA_FLAGS`` must be set before jax is imported, so a test that needs several
+    devices runs its measurements in a fresh interpreter (the file itself, as a
+    script) and asserts on what it prints.
+    """
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
