@@ -57,8 +57,8 @@ def all_gather_cast(shard: Any, policy: Policy, axis_name: Any, axis: int = 0, t
     return _all_gather(shard, axis_name, axis, tiled, tuple(map(np.dtype, dtypes)))
 
 
-def vary_before_cast(value: Any, like: Any, reduce_dtype: Any) -> Any:
-    """``value`` marked varying over the mesh axes ``like`` varies over (inside ``shard_map``).
+def vary_before_cast(value: Any, reduce_dtype: Any, *like: Any) -> Any:
+    """``value`` marked varying over the mesh axes ``like`` vary over (inside ``shard_map``).
 
     A replicated parameter that meets a varying activation is marked varying
     where it meets it, and the transpose of that mark is the ``psum`` of its
@@ -68,7 +68,9 @@ def vary_before_cast(value: Any, like: Any, reduce_dtype: Any) -> Any:
     """
     if np.dtype(reduce_dtype).itemsize < np.dtype(value.dtype).itemsize:
         return value
-    return compat.vary_like(value, like)
+    if isinstance(value, np.ndarray):
+        return value  # a constant: no gradient
+    return compat.vary_like(value, *like)
 
 
 def gather_params(shards: Any, policy: Any, axis_name: Any, axis: Any = 0) -> Any:
@@ -124,3 +126,31 @@ def _gather_leaf(x: Any, policy: Policy, axis_name: Any, axis: int | None) -> An
     if missing and np.dtype(policy.reduce_dtype).itemsize >= np.dtype(x.dtype).itemsize:
         x = jax.lax.pcast(x, missing, to="varying")
     return x.astype(policy.compute_dtype)
+
+
+def narrowed_linear(fn: Any, x: Any, dtype: Any, *rest: Any) -> Any:
+    """``fn(saturating_cast(x, dtype), *rest)`` whose gradient for ``x`` stays in ``x``'s dtype.
+
+    ``fn`` is linear in its first argument (a broadcast, an embedding lookup)
+    and its backward pass sums over the rows of a batch: a bias's sum over the
+    batch, a table's scatter-add. JAX would transpose it on the 16-bit
+    cotangent, so that the SPMD partitioner sums the shards of a data-parallel
+    batch in 16 bits; here the cotangent is widened first and ``fn`` transposed
+    in ``x``'s dtype. ``rest``: integer operands (indices), not differentiated.
+    """
+    from jaxamp._autocast._values import saturating_cast
+
+    @jax.custom_vjp
+    def narrowed(x, *rest):
+        return fn(saturating_cast(x, dtype), *rest)
+
+    def fwd(x, *rest):
+        return narrowed(x, *rest), (x, rest)
+
+    def bwd(residuals, ct):
+        x, rest = residuals  # x: for its type only (inside shard_map: its varying axes)
+        (grad,) = jax.linear_transpose(lambda a: fn(a, *rest), x)(ct.astype(x.dtype))
+        return (grad, *(None for _ in rest))
+
+    narrowed.defvjp(fwd, bwd)
+    return narrowed(x, *rest)

@@ -35,7 +35,7 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
-from jaxamp._wire import all_gather_cast, vary_before_cast
+from jaxamp._wire import all_gather_cast, narrowed_linear, vary_before_cast
 
 __all__ = [
     "KIND_RULES",
@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 _F32 = np.dtype(np.float32)
+# Elementwise primitives whose operands may broadcast (size-1 dims) to the result.
+_BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem"})
 
 
 # A rule: ``rule(autocaster, eqn, ins) -> outs`` on ``(value, role)`` pairs.
@@ -112,10 +114,33 @@ class Autocaster:
             active = [ins[i][0].dtype for i in idxs if ins[i][1] == ACTIVATION]
             if pinned or active:
                 target = promote(pinned + active)
+                moved = [ins[i][0] for i in idxs if ins[i][1] != PLAIN]
                 for i in idxs:
-                    to = saturating_cast if ins[i][1] == PLAIN else cast
-                    values[i] = to(values[i], target)
+                    plain = ins[i][1] == PLAIN
+                    values[i] = (
+                        self._narrow_plain(eqn, values[i], target, moved)
+                        if plain
+                        else cast(values[i], target)
+                    )
         return values, max((r for v, r in ins if is_float(v)), default=PLAIN)
+
+    def _narrow_plain(self, eqn: jex.JaxprEqn, value: Any, dtype: np.dtype, like: list) -> Any:
+        """A plain operand brought to ``dtype`` (saturating), to meet an activation.
+
+        One that an elementwise op broadcasts against a batch (a bias, a
+        position embedding) is broadcast here, by ``_wide_gradient_of``: the
+        sum over the batch that is its gradient then runs in ``reduce_dtype``,
+        where the SPMD partitioner sums a data-parallel batch's shards.
+        """
+        shape = eqn.outvars[0].aval.shape
+        broadcast = eqn.primitive.name in _BROADCASTING and np.shape(value) != shape
+        if not broadcast or isinstance(value, np.ndarray) or value.dtype.itemsize <= dtype.itemsize:
+            return saturating_cast(value, dtype)
+        dims = tuple(range(len(shape)))
+        value = vary_before_cast(value, self.policy.reduce_dtype, *like)
+        return _wide_gradient_of(
+            self, value, lambda a: jax.lax.broadcast_in_dim(a, shape, dims), [], dtype
+        )
 
     def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
         """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
@@ -206,7 +231,9 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if _gathers_a_parameter(ac, eqn, ins):
         (shard, _), *_ = ins
         return [(_gathered_parameter(ac, eqn, shard), ACTIVATION)]
-    ins = _lookup_table_in_compute_dtype(ac, eqn, ins)
+    looked_up = _narrow_lookup(ac, eqn, ins)
+    if looked_up is not None:
+        return looked_up
     values, role = ac.follow_values(eqn, ins)
     operand_dtypes = {v.dtype for v in values if is_float(v)}
     outs = []
@@ -235,21 +262,36 @@ def _gathered_parameter(ac: Autocaster, eqn: jex.JaxprEqn, shard: Any) -> Any:
     return all_gather_cast(shard, ac.policy, p["axis_name"], p["all_gather_dimension"], p["tiled"])
 
 
-def _lookup_table_in_compute_dtype(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list:
-    """A ``gather`` from a traced float table (an embedding) reads it in the compute dtype.
+def _narrow_lookup(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list | None:
+    """A ``gather`` from a traced float table (an embedding), read in the compute dtype.
 
     The rows it picks would meet the activations, and be cast, anyway; cast
     first, a table sharded across devices is all-gathered in 16 bits, like the
     weights the matmuls cast, and what follows (a position embedding added,
-    the residual stream) runs in the compute dtype from the start.
+    the residual stream) runs in the compute dtype from the start. Its
+    gradient is scatter-added in ``reduce_dtype`` (``_wire.narrowed_linear``).
     """
     if eqn.primitive.name != "gather":
-        return ins
+        return None
     (table, role), *rest = ins
     narrower = is_float(table) and ac.compute_dtype.itemsize < np.dtype(table.dtype).itemsize
     if role != PLAIN or not narrower or np.ndim(table) < 2 or isinstance(table, np.ndarray):
-        return ins
-    return [(saturating_cast(table, ac.compute_dtype), ACTIVATION), *rest]
+        return None
+    indices = [v for v, _ in rest]
+    table = vary_before_cast(table, ac.policy.reduce_dtype, *indices)
+    out = _wide_gradient_of(ac, table, lambda t, *idx: compat.bind_eqn(eqn, [t, *idx])[0], indices)
+    return [(out, ACTIVATION)]
+
+
+def _wide_gradient_of(
+    ac: Autocaster, x: Any, fn: Callable, rest: list, dtype: np.dtype | None = None
+) -> Any:
+    # fn(x in ``dtype`` (the compute dtype), *rest), linear in x; its gradient for x
+    # in x's dtype unless reduce_dtype is narrower.
+    dtype = ac.compute_dtype if dtype is None else dtype
+    if ac.transposable or np.dtype(ac.policy.reduce_dtype).itemsize < x.dtype.itemsize:
+        return fn(saturating_cast(x, dtype), *rest)
+    return narrowed_linear(fn, x, dtype, *rest)
 
 
 def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
@@ -287,9 +329,9 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     else:
         reduce = ac.policy.reduce_dtype
         if lhs_role == PLAIN:  # a parameter's gradient is psum-ed in reduce_dtype
-            lhs = vary_before_cast(lhs, rhs, reduce)
+            lhs = vary_before_cast(lhs, reduce, rhs)
         if rhs_role == PLAIN:
-            rhs = vary_before_cast(rhs, lhs, reduce)
+            rhs = vary_before_cast(rhs, reduce, lhs)
         lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
         rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)
         grad_dtypes = (ac.gradient_dtype(lhs_role), ac.gradient_dtype(rhs_role))
