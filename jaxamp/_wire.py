@@ -97,10 +97,10 @@ def gather_params(shards: Any, policy: Any, axis_name: Any, axis: Any = 0) -> An
 
     >>> import jax, jax.numpy as jnp, jaxamp
     >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    >>> mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> def loss(w_shard, x):
     ...     w = jaxamp.gather_params(w_shard, "mixed_bfloat16", "d")
-    ...     return jax.lax.psum(jnp.sum((x @ w).astype(jnp.float32)), "d")
+    ...     return jax.lax.psum(jnp.sum((x.astype(w.dtype) @ w).astype(jnp.float32)), "d")
     >>> f = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"))
     >>> f(jnp.ones((4, 2)), jnp.ones((3, 4))).dtype
     dtype('float32')

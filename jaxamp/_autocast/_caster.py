@@ -133,7 +133,11 @@ class Autocaster:
         where the SPMD partitioner sums a data-parallel batch's shards.
         """
         shape = eqn.outvars[0].aval.shape
-        broadcast = eqn.primitive.name in _BROADCASTING and np.shape(value) != shape
+        broadcast = (
+            eqn.primitive.name in _BROADCASTING
+            and np.ndim(value) == len(shape)  # size-1 dims; a scalar stays a scalar
+            and np.shape(value) != shape
+        )
         if not broadcast or isinstance(value, np.ndarray) or value.dtype.itemsize <= dtype.itemsize:
             return saturating_cast(value, dtype)
         dims = tuple(range(len(shape)))

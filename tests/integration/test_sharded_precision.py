@@ -68,16 +68,21 @@ def _measure(loss, params, batch, policies):
     for name, policy in policies.items():
         step = jax.value_and_grad(jaxamp.autocast(loss, policy))
         out[name] = _wire(jaxamp.communication_report(step, sharded, batch_sharded))
+    # Layer-norm scales and biases multiply float32 statistics: gathered in float32.
+    paths = jax.tree_util.tree_leaves_with_path(params)
+    layer_norm = sum(x.size for path, x in paths if "LayerNorm" in jax.tree_util.keystr(path))
+    out["layer_norm_bytes_per_param"] = 4 * layer_norm / sum(x.size for _, x in paths)
     fn = jax.jit(jaxamp.autocast(loss, "mixed_bfloat16"))
     out["loss_sharded"] = float(fn(sharded, batch_sharded))
     out["loss_one_device"] = float(fn(params, batch))
     return out
 
 
-def _gpt():
+def _gpt(config=None):
     from benchmarks._models import GPT, GPTConfig, gpt_batch, gpt_init, gpt_loss_fn
 
-    config = GPTConfig(vocab=128, seq=32, d_model=64, n_heads=2, d_ff=256, n_layers=2, batch=32)
+    small = GPTConfig(vocab=128, seq=32, d_model=64, n_heads=2, d_ff=256, n_layers=2, batch=32)
+    config = config or small
     model = GPT(config)
     batch = gpt_batch(config)
     return gpt_loss_fn(model), gpt_init(model, config), batch
@@ -242,10 +247,6 @@ def measured():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _layer_norm(name):
-    return "LayerNorm" in name
-
-
 @pytest.mark.parametrize("model", ["gpt", "nnx", "equinox"])
 def test_autocast_gathers_each_parameter_once_in_bfloat16(measured, model):
     for policy in ("reduce_f32", "reduce_bf16"):
@@ -253,10 +254,12 @@ def test_autocast_gathers_each_parameter_once_in_bfloat16(measured, model):
         assert wire["max_gathers_per_param"] == 1, (model, policy, wire)
         # Embedding tables included; only parameters autocast computes with in
         # float32 (layer-norm scales and biases, after float32 statistics) stay so.
-        assert all(_layer_norm(p) for p in wire["f32_gathers"]), wire["f32_gathers"]
+        assert not wire["f32_gathers"], wire["f32_gathers"]
         gathers = wire["per_param"]
         assert gathers["all-gather bfloat16"] <= 2.1, gathers
-        assert gathers.get("all-gather float32", 0.0) <= 0.01, gathers
+        # A layer norm's scale is gathered again for the backward pass: 1.5x its share.
+        layer_norm = measured[model]["layer_norm_bytes_per_param"]
+        assert gathers.get("all-gather float32", 0.0) <= 1.5 * layer_norm + 1e-4, gathers
 
 
 @pytest.mark.parametrize("model", ["gpt", "nnx", "equinox"])
@@ -266,7 +269,8 @@ def test_weight_gradients_are_reduced_in_the_policys_reduce_dtype(measured, mode
     assert default.get("reduce bfloat16", 0.0) <= 0.01, default
     narrow = measured[model]["reduce_bf16"]["per_param"]
     assert 1.95 <= narrow["reduce bfloat16"] <= 2.05, narrow
-    assert narrow.get("reduce float32", 0.0) <= 0.02, narrow  # layer-norm parameters
+    layer_norm = measured[model]["layer_norm_bytes_per_param"]
+    assert narrow.get("reduce float32", 0.0) <= layer_norm + 1e-4, narrow
 
 
 @pytest.mark.parametrize("model", ["gpt", "nnx", "equinox"])
@@ -288,5 +292,21 @@ def test_shard_map_fsdp_gathers_in_bfloat16_and_reduces_in_the_reduce_dtype(meas
         assert abs(out[name + "_loss"] - out["loss_float32"]) <= 2.0**-7 * out["loss_float32"]
 
 
+def _gpt_2_65m() -> dict:
+    """The numbers of docs/api/autocast.md: a 3-layer, width-256 GPT (2.65M params)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxamp
+    from benchmarks._models import GPTConfig
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    config = GPTConfig(vocab=512, seq=64, d_model=256, n_heads=4, d_ff=1024, n_layers=3, batch=64)
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    policies = {"reduce_f32": policy, "reduce_bf16": policy.with_reduce_dtype(jnp.bfloat16)}
+    return _measure(*_gpt(config), policies)
+
+
 if __name__ == "__main__":
-    print(json.dumps(_worker()))
+    # With --gpt-2.65m: the larger model's numbers (XLA_FLAGS as in ``measured``).
+    print(json.dumps(_gpt_2_65m() if "--gpt-2.65m" in sys.argv else _worker()))
