@@ -68,7 +68,7 @@ def vary_before_cast(value: Any, reduce_dtype: Any, *like: Any) -> Any:
     """
     if np.dtype(reduce_dtype).itemsize < np.dtype(value.dtype).itemsize:
         return value
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, np.generic)):
         return value  # a constant: no gradient
     return compat.vary_like(value, *like)
 

@@ -331,13 +331,10 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain)
     else:
-        reduce = ac.policy.reduce_dtype
-        if lhs_role == PLAIN:  # a parameter's gradient is psum-ed in reduce_dtype
-            lhs = vary_before_cast(lhs, reduce, rhs)
-        if rhs_role == PLAIN:
-            rhs = vary_before_cast(rhs, reduce, lhs)
-        lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
-        rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)
+        lhs, rhs = (
+            _contraction_operand(ac, lhs, lhs_role, rhs),
+            _contraction_operand(ac, rhs, rhs_role, lhs),
+        )
         grad_dtypes = (ac.gradient_dtype(lhs_role), ac.gradient_dtype(rhs_role))
         matmul = functools.partial(
             run_matmul, transposable=ac.transposable, grad_dtypes=grad_dtypes
@@ -352,8 +349,12 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     return [(out, ACTIVATION)]
 
 
-def _contraction_operand(value: Any, role: int, dtype: np.dtype) -> Any:
+def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> Any:
     """A contraction operand in the compute dtype.
+
+    Inside ``shard_map``, a parameter (PLAIN) that meets a varying operand is
+    marked varying before its cast, so that its gradient's ``psum`` runs in
+    ``reduce_dtype``'s width (``_wire.vary_before_cast``).
 
     A PINNED operand is float32 on purpose (log-probabilities, a loop
     accumulator) and may hold finite values beyond float16's range that a mask
@@ -361,8 +362,11 @@ def _contraction_operand(value: Any, role: int, dtype: np.dtype) -> Any:
     saturates, so 0 x value stays 0 instead of 0 x inf = NaN. Inputs and
     parameters (PLAIN) are cast as they are: the usual path pays nothing.
     """
+    dtype = ac.compute_dtype
     if role == PINNED:
         return saturating_cast(value, dtype)
+    if role == PLAIN and is_float(value) and dtype.itemsize < np.dtype(value.dtype).itemsize:
+        value = vary_before_cast(value, ac.policy.reduce_dtype, other)
     return cast(value, dtype)
 
 
