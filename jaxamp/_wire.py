@@ -145,7 +145,10 @@ def narrowed_linear(fn: Any, x: Any, dtype: Any, *rest: Any) -> Any:
         return fn(saturating_cast(x, dtype), *rest)
 
     def fwd(x, *rest):
-        return narrowed(x, *rest), (x, rest)
+        # The function itself, not ``narrowed``: under forward-over-reverse
+        # (jax.hessian) fwd runs on JVP tracers, which JAX differentiates through
+        # primitives but not through a custom_vjp.
+        return fn(saturating_cast(x, dtype), *rest), (x, rest)
 
     def bwd(residuals, ct):
         x, rest = residuals  # x: for its type only (inside shard_map: its varying axes)
