@@ -40,6 +40,7 @@ from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._version import __version__
+from jaxamp._wire import gather_params
 
 if _importlib_util.find_spec("flax") is not None:
     # Eager, so that a checkpoint restores the scale's configuration whether or not
@@ -73,6 +74,7 @@ __all__ = [
     "cast_floating",
     "check_skips",
     "communication_report",
+    "gather_params",
     "get_loss_scale",
     "get_policy",
     "loss_scaling",

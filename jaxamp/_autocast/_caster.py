@@ -35,6 +35,7 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
+from jaxamp._wire import all_gather_cast, narrowed_linear, vary_before_cast
 
 __all__ = [
     "KIND_RULES",
@@ -44,6 +45,9 @@ __all__ = [
     "custom_rule",
     "unknown_higher_order_message",
 ]
+
+# Elementwise primitives whose operands may broadcast (size-1 dims) to the result.
+_BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem"})
 
 
 # A rule: ``rule(autocaster, eqn, ins) -> outs`` on ``(value, role)`` pairs.
@@ -110,10 +114,37 @@ class Autocaster:
             active = [ins[i][0].dtype for i in idxs if ins[i][1] == ACTIVATION]
             if pinned or active:
                 target = promote(pinned + active)
+                moved = [ins[i][0] for i in idxs if ins[i][1] != PLAIN]
                 for i in idxs:
-                    to = saturate_finite if ins[i][1] == PLAIN else cast
-                    values[i] = to(values[i], target)
+                    plain = ins[i][1] == PLAIN
+                    values[i] = (
+                        self._narrow_plain(eqn, values[i], target, moved)
+                        if plain
+                        else cast(values[i], target)
+                    )
         return values, max((r for v, r in ins if is_floating(v)), default=PLAIN)
+
+    def _narrow_plain(self, eqn: jex.JaxprEqn, value: Any, dtype: np.dtype, like: list) -> Any:
+        """A plain operand brought to ``dtype`` (saturating), to meet an activation.
+
+        One that an elementwise op broadcasts against a batch (a bias, a
+        position embedding) is broadcast here, by ``_wide_gradient_of``: the
+        sum over the batch that is its gradient then runs in ``reduce_dtype``,
+        where the SPMD partitioner sums a data-parallel batch's shards.
+        """
+        shape = eqn.outvars[0].aval.shape
+        broadcast = (
+            eqn.primitive.name in _BROADCASTING
+            and np.ndim(value) == len(shape)  # size-1 dims; a scalar stays a scalar
+            and np.shape(value) != shape
+        )
+        if not broadcast or isinstance(value, np.ndarray) or value.dtype.itemsize <= dtype.itemsize:
+            return saturate_finite(value, dtype)
+        dims = tuple(range(len(shape)))
+        value = vary_before_cast(value, self.policy.reduce_dtype, *like)
+        return _wide_gradient_of(
+            self, value, lambda a: jax.lax.broadcast_in_dim(a, shape, dims), [], dtype
+        )
 
     def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
         """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
@@ -140,6 +171,17 @@ class Autocaster:
     def role_of_cast(self, dtype: np.dtype) -> int:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
         return ACTIVATION if dtype == self.compute_dtype else PINNED
+
+    def gradient_dtype(self, role: int) -> np.dtype:
+        """The result dtype of the backward product giving a contraction operand's cotangent.
+
+        float32 accumulation, except that the gradient of a parameter (a PLAIN
+        operand) comes out in a 16-bit ``policy.reduce_dtype``: under SPMD
+        partitioning the partitioner reduces it across devices right after that
+        product, in its result dtype.
+        """
+        reduce = np.dtype(self.policy.reduce_dtype)
+        return reduce if role == PLAIN and reduce.itemsize < 4 else F32
 
     # -- helpers for the higher-order rules ---------------------------------------
 
@@ -190,6 +232,12 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """
     if ac.breaks_in_compute_dtype(eqn, ins):
         return float32(ac, eqn, ins)
+    if _gathers_a_parameter(ac, eqn, ins):
+        (shard, _), *_ = ins
+        return [(_gathered_parameter(ac, eqn, shard), ACTIVATION)]
+    looked_up = _narrow_lookup(ac, eqn, ins)
+    if looked_up is not None:
+        return looked_up
     values, role = ac.follow_values(eqn, ins)
     operand_dtypes = {v.dtype for v in values if is_floating(v)}
     outs = []
@@ -201,6 +249,53 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         else:
             outs.append((out, ac.role_of_cast(out.dtype)))
     return outs
+
+
+def _gathers_a_parameter(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
+    # An ``all_gather`` of a float parameter shard (FSDP inside shard_map).
+    if eqn.primitive.name != "all_gather" or eqn.params.get("axis_index_groups"):
+        return False
+    (shard, role), *_ = ins
+    narrower = is_floating(shard) and ac.compute_dtype.itemsize < np.dtype(shard.dtype).itemsize
+    return role == PLAIN and narrower
+
+
+def _gathered_parameter(ac: Autocaster, eqn: jex.JaxprEqn, shard: Any) -> Any:
+    """The all-gather in ``gather_dtype``, its gradient reduce-scattered in ``reduce_dtype``."""
+    p = eqn.params
+    return all_gather_cast(shard, ac.policy, p["axis_name"], p["all_gather_dimension"], p["tiled"])
+
+
+def _narrow_lookup(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list | None:
+    """A ``gather`` from a traced float table (an embedding), read in the compute dtype.
+
+    The rows it picks would meet the activations, and be cast, anyway; cast
+    first, a table sharded across devices is all-gathered in 16 bits, like the
+    weights the matmuls cast, and what follows (a position embedding added,
+    the residual stream) runs in the compute dtype from the start. Its
+    gradient is scatter-added in ``reduce_dtype`` (``_wire.narrowed_linear``).
+    """
+    if eqn.primitive.name != "gather":
+        return None
+    (table, role), *rest = ins
+    narrower = is_floating(table) and ac.compute_dtype.itemsize < np.dtype(table.dtype).itemsize
+    if role != PLAIN or not narrower or np.ndim(table) < 2 or isinstance(table, np.ndarray):
+        return None
+    indices = [v for v, _ in rest]
+    table = vary_before_cast(table, ac.policy.reduce_dtype, *indices)
+    out = _wide_gradient_of(ac, table, lambda t, *idx: compat.bind_eqn(eqn, [t, *idx])[0], indices)
+    return [(out, ACTIVATION)]
+
+
+def _wide_gradient_of(
+    ac: Autocaster, x: Any, fn: Callable, rest: list, dtype: np.dtype | None = None
+) -> Any:
+    # fn(x in ``dtype`` (the compute dtype), *rest), linear in x; its gradient for x
+    # in x's dtype unless reduce_dtype is narrower.
+    dtype = ac.compute_dtype if dtype is None else dtype
+    if ac.transposable or np.dtype(ac.policy.reduce_dtype).itemsize < x.dtype.itemsize:
+        return fn(saturate_finite(x, dtype), *rest)
+    return narrowed_linear(fn, x, dtype, *rest)
 
 
 def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
@@ -236,9 +331,14 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain, ac.fp8_weights)
     else:
-        lhs = _contraction_operand(lhs, lhs_role, ac.compute_dtype)
-        rhs = _contraction_operand(rhs, rhs_role, ac.compute_dtype)
-        matmul = functools.partial(run_matmul, transposable=ac.transposable)
+        lhs, rhs = (
+            _contraction_operand(ac, lhs, lhs_role, rhs),
+            _contraction_operand(ac, rhs, rhs_role, lhs),
+        )
+        grad_dtypes = (ac.gradient_dtype(lhs_role), ac.gradient_dtype(rhs_role))
+        matmul = functools.partial(
+            run_matmul, transposable=ac.transposable, grad_dtypes=grad_dtypes
+        )
     unpad = None
     if ac.pad_to is not None:
         lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)
@@ -249,8 +349,12 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     return [(out, ACTIVATION)]
 
 
-def _contraction_operand(value: Any, role: int, dtype: np.dtype) -> Any:
+def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> Any:
     """A contraction operand in the compute dtype.
+
+    Inside ``shard_map``, a parameter (PLAIN) that meets a varying operand is
+    marked varying before its cast, so that its gradient's ``psum`` runs in
+    ``reduce_dtype``'s width (``_wire.vary_before_cast``).
 
     A PINNED operand is float32 on purpose (log-probabilities, a loop
     accumulator) and may hold finite values beyond float16's range that a mask
@@ -258,8 +362,11 @@ def _contraction_operand(value: Any, role: int, dtype: np.dtype) -> Any:
     saturates, so 0 x value stays 0 instead of 0 x inf = NaN. Inputs and
     parameters (PLAIN) are cast as they are: the usual path pays nothing.
     """
+    dtype = ac.compute_dtype
     if role == PINNED:
         return saturate_finite(value, dtype)
+    if role == PLAIN and is_floating(value) and dtype.itemsize < np.dtype(value.dtype).itemsize:
+        value = vary_before_cast(value, ac.policy.reduce_dtype, other)
     return cast(value, dtype)
 
 

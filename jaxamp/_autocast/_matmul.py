@@ -16,6 +16,7 @@ of dims to a Tensor Core multiple.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +54,7 @@ def _canonical_dot(params: dict, x, w):
     return {**params, "dimension_numbers": (contract, (batch, batch))}, x, w
 
 
-def _cpu_product(prim: jex.Primitive, params: dict, x, w, *extra):
+def _cpu_product(prim: jex.Primitive, params: dict, x, w, *extra, pinned: tuple = ()):
     """The XLA:CPU form of a 16-bit product with float32 accumulation.
 
     XLA:CPU runs bf16 x bf16 -> f32 only in YNNPACK (canonical layouts, M, N > 1)
@@ -65,63 +66,130 @@ def _cpu_product(prim: jex.Primitive, params: dict, x, w, *extra):
     the decision stays right: fast where YNNPACK runs it, float32 (the same
     products, exact in float32) elsewhere. tests/integration/test_autocast_cpu_dots.py
     holds the forms that used to fail; BENCHMARKS.md the speed.
+
+    ``pinned``: operands that are already the outputs of such a barrier (the
+    forward product's, saved for the backward one). They are used as they are
+    when their layout is canonical: a second barrier would be a second value
+    for the SPMD partitioner, which then all-gathers a sharded weight once per
+    barrier instead of once per step.
     """
     if prim.name == "dot_general":
         params, x, w = _canonical_dot(params, x, w)
-    x, w = jax.lax.optimization_barrier((x, w))
+    x, w = _barrier(x, w, pinned)
     return prim.bind(x, w, *extra, **params)
 
 
-def _accumulating(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
+def _barrier(x, w, pinned: tuple = ()):
+    # An optimization barrier on the operands that are not pinned already.
+    fresh = [i for i, v in enumerate((x, w)) if not any(v is p for p in pinned)]
+    values = [x, w]
+    if fresh:
+        barred = jax.lax.optimization_barrier([values[i] for i in fresh])
+        for i, value in zip(fresh, barred, strict=True):
+            values[i] = value
+    return tuple(values)
+
+
+def _accumulating(
+    prim: jex.Primitive,
+    params: dict,
+    dtype: np.dtype,
+    x,
+    w,
+    *extra,
+    accumulate: np.dtype = F32,
+    pinned: tuple = (),
+):
     # ``extra``: non-floating operands after the two factors (ragged_dot's group sizes).
-    params = {**params, "preferred_element_type": F32}
+    # ``accumulate``: the product's result dtype before the cast to ``dtype``; under
+    # SPMD partitioning, the dtype its cross-device sum (if any) runs in.
+    params = {**params, "preferred_element_type": accumulate}
     if jax.default_backend() == "cpu":
-        out = _cpu_product(prim, params, x, w, *extra)
+        out = _cpu_product(prim, params, x, w, *extra, pinned=pinned)
     else:  # GPU/TPU: the native 16-bit product, as written
         out = prim.bind(x, w, *extra, **params)
     return out if out.dtype == dtype else jax.lax.convert_element_type(out, dtype)
 
 
-def _eval_accumulating(closed: jex.ClosedJaxpr, args: list) -> list:
-    """Evaluates a backward jaxpr, re-running its products with float32 accumulation."""
+def _eval_accumulating(closed: jex.ClosedJaxpr, args: list, accumulate: np.dtype, pinned) -> list:
+    """Evaluates a backward jaxpr, re-running its products with ``accumulate`` results."""
 
     def apply(eqn: jex.JaxprEqn, ins: list) -> list:
         if eqn.primitive.name in MATMUL_PRIMITIVES:
-            return [_accumulating(eqn.primitive, eqn.params, eqn.outvars[0].aval.dtype, *ins)]
+            dtype = eqn.outvars[0].aval.dtype
+            return [
+                _accumulating(
+                    eqn.primitive, eqn.params, dtype, *ins, accumulate=accumulate, pinned=pinned
+                )
+            ]
         return compat.bind_eqn(eqn, ins)
 
     return eval_jaxpr(closed, args, apply)
 
 
-def _mixed_matmul(prim: jex.Primitive, params: dict, dtype: np.dtype) -> Callable:
+def _canonical_operands(prim: jex.Primitive, params: dict, x, w) -> tuple[dict, Any, Any]:
+    # On XLA:CPU, the product with its operands in the canonical layout
+    # (``_canonical_dot``), as plain transposes that JAX differentiates itself.
+    if jax.default_backend() == "cpu" and prim.name == "dot_general":
+        return _canonical_dot(params, x, w)
+    return params, x, w
+
+
+def _pin(x, w):
+    # The operands of the forward product behind one barrier on XLA:CPU, which
+    # the backward products then reuse as they are (``_cpu_product``).
+    if jax.default_backend() != "cpu":
+        return x, w
+    return _barrier(x, w)
+
+
+def _mixed_matmul(
+    prim: jex.Primitive, params: dict, dtype: np.dtype, grad_dtypes: tuple[np.dtype, np.dtype]
+) -> Callable:
+    # ``grad_dtypes``: the result dtypes of the products that give the cotangents of
+    # x and w (before their cast to ``dtype``): the SPMD partitioner reduces a
+    # gradient across devices right after its product, in that dtype.
     low_params = {**params, "preferred_element_type": dtype}
+
+    def product(x, w, *extra):
+        x, w = _pin(x, w)
+        return _accumulating(prim, params, dtype, x, w, *extra, pinned=(x, w)), (x, w)
 
     @jax.custom_vjp
     def matmul(x, w, *extra):
-        return _accumulating(prim, params, dtype, x, w, *extra)
+        return product(x, w, *extra)[0]
 
     def fwd(x, w, *extra):
         # The product itself, not ``matmul``: under forward-over-reverse (jax.hessian,
         # jax.jvp of jax.grad) fwd and bwd run on JVP tracers of the outer transform,
         # which JAX differentiates through primitives but not through a custom_vjp.
-        return _accumulating(prim, params, dtype, x, w, *extra), (x, w, extra)
+        out, (x, w) = product(x, w, *extra)
+        return out, (x, w, extra)
 
     def bwd(residuals, ct):
         x, w, extra = residuals
-
-        def pullback(x, w, extra, ct):
-            # Transposes of the two linear maps (not jax.vjp: that would re-run the
-            # forward product, dead code that precision_report would count).
-            (dx,) = jax.linear_transpose(lambda a: prim.bind(a, w, *extra, **low_params), x)(ct)
-            (dw,) = jax.linear_transpose(lambda b: prim.bind(x, b, *extra, **low_params), w)(ct)
-            return dx, dw
-
-        closed = jax.make_jaxpr(pullback)(x, w, extra, ct)
-        dx, dw = _eval_accumulating(closed, [x, w, *extra, ct])
-        return (dx, dw, *(None for _ in extra))
+        grads = []
+        for i, accumulate in enumerate(grad_dtypes):
+            closed = jax.make_jaxpr(functools.partial(_pullback, prim, low_params, i))(
+                x, w, extra, ct
+            )
+            args = [x, w, *extra, ct]
+            grads.append(_eval_accumulating(closed, args, np.dtype(accumulate), (x, w))[0])
+        return (*grads, *(None for _ in extra))
 
     matmul.defvjp(fwd, bwd)
     return matmul
+
+
+def _pullback(prim: jex.Primitive, params: dict, i: int, x, w, extra, ct):
+    # The cotangent of operand ``i``: the transpose of the linear map (not jax.vjp,
+    # which would re-run the forward product, dead code that precision_report counts).
+    def linear(a):
+        operands = [x, w]
+        operands[i] = a
+        return prim.bind(*operands, *extra, **params)
+
+    return jax.linear_transpose(linear, (x, w)[i])(ct)[0]
 
 
 def _transposable(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *extra):
@@ -133,7 +201,13 @@ def _transposable(prim: jex.Primitive, params: dict, dtype: np.dtype, x, w, *ext
 
 
 def run_matmul(
-    eqn: jex.JaxprEqn, x: Any, w: Any, *extra: Any, dtype: np.dtype, transposable: bool = False
+    eqn: jex.JaxprEqn,
+    x: Any,
+    w: Any,
+    *extra: Any,
+    dtype: np.dtype,
+    transposable: bool = False,
+    grad_dtypes: tuple[Any, Any] = (F32, F32),
 ) -> Any:
     """The product of ``eqn`` on compute-dtype operands, result in ``dtype``.
 
@@ -141,13 +215,18 @@ def run_matmul(
     ``transposable``: for code JAX linearizes and transposes itself (the JVP
     rule of a ``custom_jvp`` under ``jax.grad``), which a ``custom_vjp`` breaks,
     and for ``jax.checkpoint`` bodies whose policy must see the dots.
+    ``grad_dtypes``: the result dtypes of the backward products giving the
+    cotangents of ``x`` and ``w`` (float32 accumulation, or a 16-bit policy
+    ``reduce_dtype`` for a parameter): under SPMD partitioning a weight
+    gradient is reduced across devices in it.
     """
     if dtype.itemsize >= 4:
         # float32 (or wider) compute: run as written, so a float32 policy is exact.
         return compat.bind_eqn(eqn, [x, w, *extra])[0]
     if transposable:
         return _transposable(eqn.primitive, dict(eqn.params), dtype, x, w, *extra)
-    return _mixed_matmul(eqn.primitive, dict(eqn.params), dtype)(x, w, *extra)
+    params, x, w = _canonical_operands(eqn.primitive, dict(eqn.params), x, w)
+    return _mixed_matmul(eqn.primitive, params, dtype, grad_dtypes)(x, w, *extra)
 
 
 def _pad_axis(x, axis: int, multiple: int):
