@@ -125,7 +125,7 @@ class Autocaster:
             return True  # a power or product on its way into a float32 sum
         plain = [v for v, r in ins if is_float(v) and r == PLAIN]
         if any(breaks_in(v, self.compute_dtype) for v in plain):
-            return True  # an eps that underflows
+            return True  # a constant it cannot hold (an eps, a 1e5 scale)
         if eqn.primitive.name == "div":
             divisor, role = ins[1]
             # A traced float32 divisor (a count, a norm) may be tiny; a constant
