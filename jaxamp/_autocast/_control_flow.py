@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._autocast._caster import keep
+from jaxamp._autocast._custom import handle_custom_jvp
 from jaxamp._autocast._scatter import SCATTER_RULES
 from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, is_float, promote
 from jaxamp._autocast._wide import accumulator_carries
@@ -62,41 +62,6 @@ def _handle_remat(ac, eqn, ins):
     fun = ac.function_of(parts.jaxpr, (), roles, box)
     outs = jax.checkpoint(fun, prevent_cse=parts.prevent_cse, policy=parts.policy)(*values)
     return list(zip(outs, box, strict=True))
-
-
-def _handle_custom_jvp(ac, eqn, ins):
-    parts = compat.custom_jvp_parts(eqn)
-    consts, args = list(ins[: parts.num_consts]), list(ins[parts.num_consts :])
-    values, roles = _split(args)
-    box: list = []
-    primal = ac.function_of(parts.call_jaxpr, consts, roles, box)
-    primal.__name__ = primal.__qualname__ = parts.name  # profiles and jaxprs keep it
-    out_types = ac.probe(parts.call_jaxpr, consts, [(aval(v), r) for v, r in args])
-
-    def jvp(primals, tangents):
-        zeros = [compat.is_float0(t) for t in tangents]
-        closed, out_zeros = parts.jvp_jaxpr(zeros)
-        nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
-        rule_ac = ac.with_transposable_matmuls()  # JAX transposes the tangent products under grad
-        outs = rule_ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
-        primal_outs = [v for v, _ in outs[: len(out_zeros)]]
-        nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])
-        p_out, t_out = [], []
-        for p, zero, (dtype, _) in zip(primal_outs, out_zeros, out_types, strict=True):
-            p = cast(p, dtype) if is_float(p) else p
-            p_out.append(p)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                t_out.append(compat.float0_zeros(np.shape(p)))
-            elif zero:
-                t_out.append(jnp.zeros(np.shape(p), dtype))
-            else:
-                t_out.append(cast(next(nonzero_out), dtype))
-        return p_out, t_out
-
-    fun = jax.custom_jvp(primal)
-    fun.defjvp(jvp)
-    outs = fun(*values)
-    return list(zip(outs, [r for _, r in out_types], strict=True))
 
 
 def _join(carry: tuple, out: tuple) -> tuple:
@@ -258,7 +223,7 @@ HIGHER_ORDER_RULES = {
     **dict.fromkeys(compat.JIT_NAMES, _handle_jit),
     **dict.fromkeys(compat.CALL_NAMES, _handle_call),
     **dict.fromkeys(compat.REMAT_NAMES, _handle_remat),
-    "custom_jvp_call": _handle_custom_jvp,
+    "custom_jvp_call": handle_custom_jvp,
     "scan": _handle_scan,
     "while": _handle_while,
     "cond": _handle_cond,
