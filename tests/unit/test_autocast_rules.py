@@ -9,6 +9,9 @@ more).
 """
 
 import importlib
+import importlib.util
+import pathlib
+import re
 import warnings
 
 import jax
@@ -171,3 +174,31 @@ def test_per_call_rules_override_and_callable():
     out = jaxamp.autocast(f, rules={"tanh": double_tanh})(w0, x0)
     assert calls == [jnp.bfloat16]
     assert_close(out, 2.0 * f(w0, x0))
+
+
+def _docs_hooks():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("docs_hooks", root / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, root
+
+
+def test_version_notes_in_the_docs_come_from_the_compat_table():
+    # The generated rules table (docs/api/autocast.md, README.md) marks each rule
+    # of one supported JAX only with its versions, and lists them all; the page's
+    # hand-written table of higher-order primitives says the same versions.
+    hooks, root = _docs_hooks()
+    table = hooks.autocast_rules_table()
+    versions = compat.VERSION_SPECIFIC_PRIMITIVES
+    for primitive, version in versions.items():
+        if primitive in jaxamp.AUTOCAST_RULES:
+            assert f"`{primitive}` ({version})" in table, primitive
+        assert f"`{primitive}`" in table.split("Primitives of one supported JAX only:")[1]
+    page = (root / "docs" / "api" / "autocast.md").read_text()
+    section = page[page.index("## Higher-order primitives") :]
+    section = section[: section.index("\n## ")]
+    for primitive in re.findall(r"`([\w-]+)` \(", section):
+        if primitive in versions:
+            assert f"`{primitive}` ({versions[primitive]}" in section, primitive
+    assert all(f"`{p}`" in section for p in ("call", "closed_call", "eval_jaxpr"))
