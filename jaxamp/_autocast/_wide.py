@@ -19,11 +19,11 @@ inputs to 16 bits but keeps in float32 what 16 bits would break:
   float16, so ``log(p + 1e-8)`` becomes ``log(0)``, and a scale of ``1e5``
   saturates to 65504 (35% too little). An equation meeting such a constant runs
   in float32, as the hand-cast program (a 16-bit activation times a float32
-  array) does. A mask fill value (``jnp.where(mask, s, -1e9)``,
-  ``jnp.finfo(jnp.float32).min``) is such a constant too: the select runs in
-  float32, and a fully masked row stays finite. Only operands whose values
-  cannot be looked at (parameters, traced values) saturate instead, see
-  ``_values.saturating_cast``.
+  array) does. Operands whose values cannot be looked at (parameters, traced
+  values, and a constant that reaches the equation through a ``jit`` or a
+  broadcast traced under one, as ``jnp.where``'s fill value does) saturate
+  instead, see ``_values.saturating_cast``: a mask fill value stays finite, and
+  a fully masked row with it.
 
 The measurements behind these choices are in docs/api/autocast.md.
 """
