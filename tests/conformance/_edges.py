@@ -151,7 +151,7 @@ _BUFFERS: dict[str, tuple[Callable, Callable]] = {
     "segment_sum": (lambda a, i: jax.ops.segment_sum(a[:, 0], i, num_segments=4), _ids),
     "segment_max": (lambda a, i: jax.ops.segment_max(a[:, 0], i, num_segments=4), _ids),
     "cumsum": (lambda a, i: jnp.cumsum(a[:, 0])[i], _ids),
-    "scan_carry": (lambda a, i: _scan_total(a) + 0.0 * i[0], _ids),
+    "scan_carry": (lambda a, i: _scan_total(a), _ids),
 }
 
 
