@@ -44,6 +44,7 @@ _F32 = np.dtype(np.float32)
 
 
 def handle_custom_jvp(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+    """The rule of ``custom_jvp_call`` (see the module docstring)."""
     parts = compat.custom_jvp_parts(eqn)
     pinned = False
     if ac.compute_dtype.itemsize < 4 and _has_float32_core(ac, parts.call_jaxpr):
