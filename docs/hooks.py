@@ -1,7 +1,9 @@
 """MkDocs hooks (see mkdocs.yml): output generated from the code, so it cannot go stale.
 
 - ``<!-- autocast-rules-table -->`` becomes the table of ``jaxamp.AUTOCAST_RULES``
-  grouped by rule kind. README.md holds the same table, written there by
+  grouped by rule kind, each primitive of one supported JAX only marked with its
+  versions (``jaxamp._engine._compat.VERSION_SPECIFIC_PRIMITIVES``), and a line
+  listing all such primitives. README.md holds the same table, written there by
   ``python docs/hooks.py`` (``tests/smoke/test_readme.py`` checks it is current).
 - ``<!-- output-of-previous-block -->`` becomes a ``text`` block holding what
   the ```python block just before it prints, run at build time (with ``jax``,
@@ -42,17 +44,27 @@ RULE_SUMMARIES = {
 
 
 def autocast_rules_table() -> str:
-    """Markdown table of ``jaxamp.AUTOCAST_RULES``: one row per rule kind."""
+    """Markdown table of ``jaxamp.AUTOCAST_RULES``: one row per rule kind, then
+    the primitives that exist in one supported JAX only, with their versions."""
     import jaxamp
+    from jaxamp._engine._compat import VERSION_SPECIFIC_PRIMITIVES as versions
+
+    def label(primitive: str) -> str:
+        note = f" ({versions[primitive]})" if primitive in versions else ""
+        return f"`{primitive}`{note}"
 
     by_kind: dict[str, list[str]] = {}
     for primitive, kind in jaxamp.AUTOCAST_RULES.items():
         by_kind.setdefault(str(kind), []).append(primitive)
     rows = ["| rule | what it does | primitives |", "|---|---|---|"]
     for kind in sorted(by_kind):
-        names = ", ".join(f"`{p}`" for p in sorted(by_kind[kind]))
+        names = ", ".join(label(p) for p in sorted(by_kind[kind]))
         rows.append(f"| `{kind}` | {RULE_SUMMARIES[kind]} | {names} |")
-    return "\n".join(rows)
+    by_version: dict[str, list[str]] = {}
+    for primitive, version in versions.items():
+        by_version.setdefault(version, []).append(f"`{primitive}`")
+    notes = "; ".join(f"{', '.join(sorted(ns))} ({v})" for v, ns in sorted(by_version.items()))
+    return "\n".join(rows) + f"\n\nPrimitives of one supported JAX only: {notes}."
 
 
 def readme_with_rules_table(readme: str) -> str:

@@ -155,18 +155,18 @@ class Autocaster:
             return True  # a power or product on its way into a float32 sum
         plain = [v for v, r in ins if is_floating(v) and r == PLAIN]
         if any(breaks_in(v, self.compute_dtype) for v in plain):
-            return True  # an eps that underflows
-        return eqn.primitive.name == "div" and self._tiny_divisor(*ins[1])
-
-    def _tiny_divisor(self, divisor: Any, role: int) -> bool:
-        # A traced float32 divisor (a count, a norm) may be tiny; a constant
-        # that fits (x / 2.0, x / sqrt(d)) is safe, one that does not broke above.
-        return (
-            is_floating(divisor)
-            and role == PLAIN
-            and _wider(divisor, self.compute_dtype)
-            and not is_constant(divisor)
-        )
+            return True  # a constant it cannot hold (an eps, a 1e5 scale)
+        if eqn.primitive.name == "div":
+            divisor, role = ins[1]
+            # A traced float32 divisor (a count, a norm) may be tiny; a constant
+            # that fits (x / 2.0, x / sqrt(d)) is safe, one that does not broke above.
+            return (
+                is_floating(divisor)
+                and role == PLAIN
+                and _wider(divisor, self.compute_dtype)
+                and not is_constant(divisor)
+            )
+        return False
 
     def role_of_cast(self, dtype: np.dtype) -> int:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""

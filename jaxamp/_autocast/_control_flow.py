@@ -18,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._autocast._caster import keep
+from jaxamp._autocast._custom import handle_custom_jvp
 from jaxamp._autocast._scatter import SCATTER_RULES
-from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, is_float, promote
+from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, promote
 from jaxamp._autocast._wide import accumulator_carries
+from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 
@@ -50,41 +51,6 @@ def _handle_call(ac, eqn, ins):
     return list(zip(outs, box, strict=True))
 
 
-def _handle_custom_jvp(ac, eqn, ins):
-    parts = compat.custom_jvp_parts(eqn)
-    consts, args = parts.split(ins)
-    values, roles = _split(args)
-    box: list = []
-    primal = ac.function_of(parts.call_jaxpr, consts, roles, box)
-    primal.__name__ = primal.__qualname__ = parts.name  # profiles and jaxprs keep it
-    out_types = ac.probe(parts.call_jaxpr, consts, [(aval(v), r) for v, r in args])
-
-    def jvp(primals, tangents):
-        zeros = [compat.is_float0(t) for t in tangents]
-        closed, out_zeros = parts.jvp_jaxpr(zeros)
-        nonzero = [(t, r) for t, r, z in zip(tangents, roles, zeros, strict=True) if not z]
-        rule_ac = ac.with_transposable_matmuls()  # JAX transposes the tangent products under grad
-        outs = rule_ac.eval_jaxpr(closed, [*zip(primals, roles, strict=True), *nonzero])
-        primal_outs = [v for v, _ in outs[: len(out_zeros)]]
-        nonzero_out = iter(v for v, _ in outs[len(out_zeros) :])
-        p_out, t_out = [], []
-        for p, zero, (dtype, _) in zip(primal_outs, out_zeros, out_types, strict=True):
-            p = cast(p, dtype) if is_float(p) else p
-            p_out.append(p)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                t_out.append(compat.float0_zeros(np.shape(p)))
-            elif zero:
-                t_out.append(jnp.zeros(np.shape(p), dtype))
-            else:
-                t_out.append(cast(next(nonzero_out), dtype))
-        return p_out, t_out
-
-    fun = jax.custom_jvp(primal)
-    fun.defjvp(jvp)
-    outs = fun(*values)
-    return list(zip(outs, [r for _, r in out_types], strict=True))
-
-
 def _join(carry: tuple, out: tuple) -> tuple:
     # Loop-carried (dtype, role): a body that moves a value to another dtype on
     # purpose (a role above PLAIN) decides; otherwise the traced dtype stays.
@@ -98,7 +64,7 @@ def _join(carry: tuple, out: tuple) -> tuple:
 def _carry_types(ac, loop: control.Loop) -> list[tuple]:
     """The (dtype, role) of each carry of ``loop`` over all its iterations."""
     init = loop.carry
-    types = [(np.dtype(v.dtype) if is_float(v) else None, r) for v, r in init]
+    types = [(np.dtype(v.dtype) if is_floating(v) else None, r) for v, r in init]
     # A float32 accumulator (running sum, EMA, Euler step) stays float32: see _wide.
     n_consts = len(loop.consts)
     traced = loop.body.jaxpr.invars[n_consts : n_consts + loop.n_carry]
@@ -206,7 +172,7 @@ HIGHER_ORDER_RULES = control.structured_rules(
     loop=_handle_loop,
     branch=_handle_cond,
     extra={
-        "custom_jvp_call": _handle_custom_jvp,
+        "custom_jvp_call": handle_custom_jvp,
         "custom_vjp_call": None,
         "shard_map": _handle_shard_map,
         **SCATTER_RULES,

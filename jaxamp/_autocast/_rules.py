@@ -39,9 +39,29 @@ import types
 from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
 from jaxamp._engine._contractions import MATMUL_PRIMITIVES
 
-__all__ = ["AUTOCAST_RULES", "MATMUL_PRIMITIVES", "RULE_KINDS"]
+__all__ = ["AUTOCAST_RULES", "LINALG_PRIMITIVES", "MATMUL_PRIMITIVES", "RULE_KINDS"]
 
 RULE_KINDS = ("compute", "float32", "follow", "keep", "recurse")
+
+
+# Factorizations and solves: float32 (no 16-bit kernels on most backends), and a
+# custom_jvp function built around one (``pinv``) runs its whole rule, primal and
+# JVP, in float32 (``_custom.py``). ``custom_linear_solve`` (``solve``) is "keep".
+LINALG_PRIMITIVES = (
+    "cholesky",
+    "eig",
+    "eigh",
+    "lu",
+    "qr",
+    "svd",
+    "schur",
+    "hessenberg",
+    "householder_product",
+    "triangular_solve",
+    "tridiagonal",
+    "tridiagonal_solve",
+    "custom_linear_solve",
+)
 
 _FLOAT32 = (
     # exp/log family and powers (torch: exp, expm1, log, log1p, log2, log10, pow, rsqrt).
@@ -90,18 +110,7 @@ _FLOAT32 = (
     # 1.6e6 (expi's) that float16 cannot hold.
     "polynomial",
     # Linear algebra and FFT have no 16-bit kernels on most backends.
-    "cholesky",
-    "eig",
-    "eigh",
-    "lu",
-    "qr",
-    "svd",
-    "schur",
-    "hessenberg",
-    "householder_product",
-    "triangular_solve",
-    "tridiagonal",
-    "tridiagonal_solve",
+    *(p for p in LINALG_PRIMITIVES if p != "custom_linear_solve"),
     "fft",
     "complex",
     "conj",  # complex-valued: no 16-bit kernel (conj rejects float16)

@@ -15,18 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating
-
-# The older name of _casting.is_floating, still imported by _control_flow.py.
-is_float = is_floating
-
 __all__ = [
     "ACTIVATION",
     "PINNED",
     "PLAIN",
     "aval",
     "cast",
-    "is_float",
     "promote",
     "saturate_finite",
 ]

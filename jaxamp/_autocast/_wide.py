@@ -16,9 +16,14 @@ inputs to 16 bits but keeps in float32 what 16 bits would break:
 - divisors: ``x / (n + 1e-5)`` with a traced float32 ``n`` divides in float32
   (in float16, 1/1e-5 is inf);
 - constants the compute dtype cannot hold: an ``eps`` of ``1e-8`` is 0 in
-  float16, so ``log(p + 1e-8)`` becomes ``log(0)``. An equation meeting such a
-  constant runs in float32. Huge constants (mask fill values) saturate instead,
-  see ``_values.saturate_finite``.
+  float16, so ``log(p + 1e-8)`` becomes ``log(0)``, and a scale of ``1e5``
+  saturates to 65504 (35% too little). An equation meeting such a constant runs
+  in float32, as the hand-cast program (a 16-bit activation times a float32
+  array) does. Operands whose values cannot be looked at (parameters, traced
+  values, and a constant that reaches the equation through a ``jit`` or a
+  broadcast traced under one, as ``jnp.where``'s fill value does) saturate
+  instead, see ``_values.saturate_finite``: a mask fill value stays finite, and
+  a fully masked row with it.
 
 The measurements behind these choices are in docs/api/autocast.md.
 """
@@ -164,15 +169,19 @@ def is_constant(value: Any) -> bool:
 
 
 def breaks_in(value: Any, dtype: np.dtype) -> bool:
-    """Whether a concrete constant loses its meaning in ``dtype`` by underflow.
+    """Whether a concrete constant loses its meaning in ``dtype``.
 
     True when some nonzero finite value becomes 0 or loses more than a few bits
-    of precision as a subnormal (``1e-8`` in float16). Overflow is not counted:
-    huge fill values saturate (see ``_values.saturate_finite``).
+    of precision as a subnormal (``1e-8`` in float16), or lies beyond ``dtype``'s
+    largest finite value (``1e5`` in float16, which would saturate or become
+    inf). Infinities and NaN keep their meaning in any floating dtype.
     """
     array = _concrete(value)
     if array is None or array.size == 0:
         return False
-    tiny = float(jax.numpy.finfo(dtype).tiny)
+    info = jax.numpy.finfo(dtype)
     magnitude = np.abs(array.astype(np.float64))
-    return bool(np.any((magnitude > 0) & (magnitude < tiny) & np.isfinite(magnitude)))
+    finite = np.isfinite(magnitude)
+    underflows = (magnitude > 0) & (magnitude < float(info.tiny))
+    overflows = magnitude > float(info.max)
+    return bool(np.any(finite & (underflows | overflows)))

@@ -113,13 +113,16 @@ def _floating(tree: Any) -> list:
     return [x for x in jax.tree.leaves(tree) if is_floating(x)]
 
 
-def _as_model(case: Case) -> Callable:
-    """``f(w, x, *rest)``: ``case.fun`` with its first argument computed as ``x @ w``."""
+def _as_model(case: Case, widen: bool = False) -> Callable:
+    """``f(w, x, *rest)``: ``case.fun`` with its first argument computed as ``x @ w``
+    (``widen``: then cast to float32, as code converted by hand does before a
+    function with no 16-bit kernel)."""
 
     def model(w, x, *rest):
+        act = (x @ w).astype(F32) if widen else x @ w
         if case.call is None:
-            return case.fun(x @ w, *rest, **case.kwargs)
-        return case.call(case.fun, x @ w, *rest, **case.kwargs)
+            return case.fun(act, *rest, **case.kwargs)
+        return case.call(case.fun, act, *rest, **case.kwargs)
 
     return model
 
@@ -159,10 +162,10 @@ def signature_of(namespace: str, name: str, fun: Callable) -> Case | str:
     return reason
 
 
-def _traced(case: Case) -> Callable:
+def _traced(case: Case, widen: bool = False) -> Callable:
     """A function of the arrays only: static arguments (ints, shapes) are closed over
     at their positions."""
-    model = _as_model(case)
+    model = _as_model(case, widen)
     rest = case.args[1:]
     is_array = [isinstance(a, np.ndarray) for a in rest]
 
@@ -282,7 +285,8 @@ def check(case: Case, policy: str, grad: bool = True) -> Result:
                 return Result(case, policy, [message])
         failures = compare(want, got, exact, hand, dtype)
         if grad:
-            failures += _check_grad(fun, args, policy, getattr(case.call, "promotion", None))
+            promotion = getattr(case.call, "promotion", None)
+            failures += _check_grad(fun, args, policy, promotion, _traced(case, widen=True))
     return Result(case, policy, failures, with_hand)
 
 
@@ -335,25 +339,42 @@ def _hand_lowers(case: Case, policy: str) -> bool:
     return True
 
 
-def _hand_cast_grad(fun: Callable, args: list, dtype: Any) -> np.ndarray | None:
-    """The gradient of the hand-cast reference, or None where it does not run."""
+def hand_cast_fun(fun: Callable, dtype: Any) -> Callable:
+    """``fun`` on 16-bit inputs (its float32 arguments cast) under standard promotion."""
 
     def hand(*a):
         with jax.numpy_dtype_promotion("standard"):
             return fun(*[x.astype(dtype) if x.dtype == F32 else x for x in a])
 
-    try:
-        return np.asarray(jax.jit(jax.grad(_summed(hand)))(*args))
-    except Exception:  # no 16-bit kernel: float32 alone is the reference
-        return None
+    return hand
 
 
-def _check_grad(fun: Callable, args: list, policy: str, promotion: str | None) -> list[str]:
+def _hand_cast_grad(
+    fun: Callable, args: list, dtype: Any, widened: Callable | None = None
+) -> np.ndarray | None:
+    """The gradient of the hand-cast reference, or None where it does not run.
+
+    Where ``fun`` has no 16-bit kernel (XLA:CPU's linear algebra), ``widened``
+    (the activation computed in 16 bits, cast to float32 before the function) is
+    the hand-cast program: its gradient is 16-bit where the activation is.
+    """
+    for candidate in (fun, widened):
+        try:
+            total = _summed(hand_cast_fun(candidate, dtype))
+            return np.asarray(jax.jit(jax.grad(total))(*args))
+        except Exception:  # no 16-bit kernel: try the widened one, then float32 alone
+            continue
+    return None
+
+
+def _check_grad(
+    fun: Callable, args: list, policy: str, promotion: str | None, widened: Callable | None = None
+) -> list[str]:
     with jax.numpy_dtype_promotion(promotion or jax.config.jax_numpy_dtype_promotion):
-        return _grad_failures(fun, args, policy)
+        return _grad_failures(fun, args, policy, widened)
 
 
-def _grad_failures(fun: Callable, args: list, policy: str) -> list[str]:
+def _grad_failures(fun: Callable, args: list, policy: str, widened: Callable | None) -> list[str]:
     total = _summed(fun)
     try:
         want = np.asarray(jax.jit(jax.grad(total))(*args))
@@ -364,7 +385,7 @@ def _grad_failures(fun: Callable, args: list, policy: str) -> list[str]:
     except Exception as e:  # reported as a failure
         return [f"grad raised {type(e).__name__}: {str(e)[:200]}"]
     should = np.isfinite(want)
-    hand = _hand_cast_grad(fun, args, jaxamp.get_policy(policy).compute_dtype)
+    hand = _hand_cast_grad(fun, args, jaxamp.get_policy(policy).compute_dtype, widened)
     if hand is not None:  # a gradient beyond the 16-bit range is inf by hand too
         should &= np.isfinite(hand)
     if np.any(should & ~np.isfinite(np.asarray(got))):

@@ -9,6 +9,9 @@ more).
 """
 
 import importlib
+import importlib.util
+import pathlib
+import re
 import warnings
 
 import jax
@@ -198,3 +201,31 @@ def test_the_call_primitive_of_this_jax_is_evaluated_inline():
         warnings.simplefilter("error", jaxamp.UnknownPrimitiveWarning)
         assert dot_dtypes(jaxamp.autocast(f), w, x) == [("bfloat16", "bfloat16")]
         np.testing.assert_array_equal(jaxamp.autocast(f, "float32")(w, x), f(w, x))
+
+
+def _docs_hooks():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("docs_hooks", root / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, root
+
+
+def test_version_notes_in_the_docs_come_from_the_compat_table():
+    # The generated rules table (docs/api/autocast.md, README.md) marks each rule
+    # of one supported JAX only with its versions, and lists them all; the page's
+    # hand-written table of higher-order primitives says the same versions.
+    hooks, root = _docs_hooks()
+    table = hooks.autocast_rules_table()
+    versions = compat.VERSION_SPECIFIC_PRIMITIVES
+    for primitive, version in versions.items():
+        if primitive in jaxamp.AUTOCAST_RULES:
+            assert f"`{primitive}` ({version})" in table, primitive
+        assert f"`{primitive}`" in table.split("Primitives of one supported JAX only:")[1]
+    page = (root / "docs" / "api" / "autocast.md").read_text()
+    section = page[page.index("## Higher-order primitives") :]
+    section = section[: section.index("\n## ")]
+    for primitive in re.findall(r"`([\w-]+)` \(", section):
+        if primitive in versions:
+            assert f"`{primitive}` ({versions[primitive]}" in section, primitive
+    assert all(f"`{p}`" in section for p in ("call", "closed_call", "eval_jaxpr"))
