@@ -21,6 +21,12 @@ import numpy as np
 
 from jaxamp._autocast._context import AutocastContext
 from jaxamp._autocast._matmul import padded, run_matmul
+from jaxamp._autocast._sharded import (
+    gathered_parameter,
+    gathers_a_parameter,
+    narrow_lookup,
+    wide_gradient_of,
+)
 from jaxamp._autocast._values import (
     ACTIVATION,
     PINNED,
@@ -35,14 +41,13 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
-from jaxamp._wire import all_gather_cast, narrowed_linear, vary_before_cast
+from jaxamp._wire import vary_before_cast
 
 __all__ = [
     "KIND_RULES",
     "Autocaster",
     "Rule",
     "UnknownPrimitiveWarning",
-    "custom_rule",
     "unknown_higher_order_message",
 ]
 
@@ -142,7 +147,7 @@ class Autocaster:
             return saturate_finite(value, dtype)
         dims = tuple(range(len(shape)))
         value = vary_before_cast(value, self.policy.reduce_dtype, *like)
-        return _wide_gradient_of(
+        return wide_gradient_of(
             self, value, lambda a: jax.lax.broadcast_in_dim(a, shape, dims), [], dtype
         )
 
@@ -232,10 +237,10 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """
     if ac.breaks_in_compute_dtype(eqn, ins):
         return float32(ac, eqn, ins)
-    if _gathers_a_parameter(ac, eqn, ins):
+    if gathers_a_parameter(ac, eqn, ins):
         (shard, _), *_ = ins
-        return [(_gathered_parameter(ac, eqn, shard), ACTIVATION)]
-    looked_up = _narrow_lookup(ac, eqn, ins)
+        return [(gathered_parameter(ac, eqn, shard), ACTIVATION)]
+    looked_up = narrow_lookup(ac, eqn, ins)
     if looked_up is not None:
         return looked_up
     values, role = ac.follow_values(eqn, ins)
@@ -249,53 +254,6 @@ def follow(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         else:
             outs.append((out, ac.role_of_cast(out.dtype)))
     return outs
-
-
-def _gathers_a_parameter(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
-    # An ``all_gather`` of a float parameter shard (FSDP inside shard_map).
-    if eqn.primitive.name != "all_gather" or eqn.params.get("axis_index_groups"):
-        return False
-    (shard, role), *_ = ins
-    narrower = is_floating(shard) and ac.compute_dtype.itemsize < np.dtype(shard.dtype).itemsize
-    return role == PLAIN and narrower
-
-
-def _gathered_parameter(ac: Autocaster, eqn: jex.JaxprEqn, shard: Any) -> Any:
-    """The all-gather in ``gather_dtype``, its gradient reduce-scattered in ``reduce_dtype``."""
-    p = eqn.params
-    return all_gather_cast(shard, ac.policy, p["axis_name"], p["all_gather_dimension"], p["tiled"])
-
-
-def _narrow_lookup(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list | None:
-    """A ``gather`` from a traced float table (an embedding), read in the compute dtype.
-
-    The rows it picks would meet the activations, and be cast, anyway; cast
-    first, a table sharded across devices is all-gathered in 16 bits, like the
-    weights the matmuls cast, and what follows (a position embedding added,
-    the residual stream) runs in the compute dtype from the start. Its
-    gradient is scatter-added in ``reduce_dtype`` (``_wire.narrowed_linear``).
-    """
-    if eqn.primitive.name != "gather":
-        return None
-    (table, role), *rest = ins
-    narrower = is_floating(table) and ac.compute_dtype.itemsize < np.dtype(table.dtype).itemsize
-    if role != PLAIN or not narrower or np.ndim(table) < 2 or isinstance(table, np.ndarray):
-        return None
-    indices = [v for v, _ in rest]
-    table = vary_before_cast(table, ac.policy.reduce_dtype, *indices)
-    out = _wide_gradient_of(ac, table, lambda t, *idx: compat.bind_eqn(eqn, [t, *idx])[0], indices)
-    return [(out, ACTIVATION)]
-
-
-def _wide_gradient_of(
-    ac: Autocaster, x: Any, fn: Callable, rest: list, dtype: np.dtype | None = None
-) -> Any:
-    # fn(x in ``dtype`` (the compute dtype), *rest), linear in x; its gradient for x
-    # in x's dtype unless reduce_dtype is narrower.
-    dtype = ac.compute_dtype if dtype is None else dtype
-    if ac.transposable or np.dtype(ac.policy.reduce_dtype).itemsize < x.dtype.itemsize:
-        return fn(saturate_finite(x, dtype), *rest)
-    return narrowed_linear(fn, x, dtype, *rest)
 
 
 def float32(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
@@ -378,31 +336,6 @@ KIND_RULES: dict[str, Rule] = {
     "follow": follow,
     "keep": keep,
 }
-
-
-def custom_rule(fn: Callable) -> Rule:
-    """The rule that runs a user's callable ``fn(context, eqn, *values)``.
-
-    ``context`` is the call's :class:`jaxamp.AutocastContext`.
-
-    Outputs in their traced dtype take the operands' role; others were moved on
-    purpose, and their dtype decides.
-    """
-
-    def rule(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
-        outs = list(fn(ac.context, eqn, *[v for v, _ in ins]))
-        in_role = max((r for v, r in ins if is_floating(v)), default=PLAIN)
-        roles = []
-        for out, var in zip(outs, eqn.outvars, strict=True):
-            if not is_floating(out):
-                roles.append(PLAIN)
-            elif out.dtype == var.aval.dtype:
-                roles.append(in_role)
-            else:
-                roles.append(ac.role_of_cast(out.dtype))
-        return list(zip(outs, roles, strict=True))
-
-    return rule
 
 
 def _unlisted(eqn: jex.JaxprEqn) -> Rule:

@@ -10,14 +10,16 @@ The lookup happens once, here, when ``autocast`` is called.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.extend.core as jex
 
-from jaxamp._autocast._caster import KIND_RULES, Rule, custom_rule
+from jaxamp._autocast._caster import KIND_RULES, Autocaster, Rule
 from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
 from jaxamp._autocast._rules import AUTOCAST_RULES, MATMUL_PRIMITIVES, RULE_KINDS
+from jaxamp._autocast._values import PLAIN
+from jaxamp._casting import is_floating
 
 __all__ = ["rule_of_kind", "rule_table"]
 
@@ -85,3 +87,28 @@ def _check_rule_kind(name: str, rule: str) -> None:
             f"rules[{name!r}] = 'recurse' needs a built-in handler, which exists "
             f"only for {', '.join(sorted(HIGHER_ORDER_RULES))}; use 'keep' or a callable."
         )
+
+
+def custom_rule(fn: Callable) -> Rule:
+    """The rule that runs a user's callable ``fn(context, eqn, *values)``.
+
+    ``context`` is the call's :class:`jaxamp.AutocastContext`.
+
+    Outputs in their traced dtype take the operands' role; others were moved on
+    purpose, and their dtype decides.
+    """
+
+    def rule(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
+        outs = list(fn(ac.context, eqn, *[v for v, _ in ins]))
+        in_role = max((r for v, r in ins if is_floating(v)), default=PLAIN)
+        roles = []
+        for out, var in zip(outs, eqn.outvars, strict=True):
+            if not is_floating(out):
+                roles.append(PLAIN)
+            elif out.dtype == var.aval.dtype:
+                roles.append(in_role)
+            else:
+                roles.append(ac.role_of_cast(out.dtype))
+        return list(zip(outs, roles, strict=True))
+
+    return rule

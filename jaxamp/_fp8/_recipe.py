@@ -49,26 +49,31 @@ def _fp8_dtype(value: Any, argument: str, default: str) -> np.dtype:
     return dtype
 
 
-def _compute_dtype(value: Any) -> np.dtype:
+def _one_of(value: Any, allowed: Any, what: str) -> np.dtype:
+    # ``what`` says what the argument is and which dtypes it takes.
     dtype = _as_dtype(value)
-    if dtype is None or dtype.name not in _COMPUTE_DTYPES:
-        raise TypeError(
-            "Float8Recipe(compute_dtype=...) is the dtype of matmul results and of "
-            "everything that is not a matmul, and must be 16-bit: jnp.bfloat16 (default) "
-            f"or jnp.float16; got {dtype.name if dtype else repr(value)}."
-        )
+    if dtype is None or dtype.name not in allowed:
+        raise TypeError(f"{what}; got {dtype.name if dtype else repr(value)}.")
     return dtype
+
+
+def _compute_dtype(value: Any) -> np.dtype:
+    return _one_of(
+        value,
+        _COMPUTE_DTYPES,
+        "Float8Recipe(compute_dtype=...) is the dtype of matmul results and of "
+        "everything that is not a matmul, and must be 16-bit: jnp.bfloat16 (default) "
+        "or jnp.float16",
+    )
 
 
 def _reduce_dtype(value: Any) -> np.dtype:
-    dtype = _as_dtype(value)
-    if dtype is None or dtype.name not in _REDUCE_DTYPES:
-        raise TypeError(
-            "Float8Recipe(reduce_dtype=...) is the dtype weight gradients are reduced "
-            "across devices in: jnp.float32 (default), jnp.bfloat16 or jnp.float16; "
-            f"got {dtype.name if dtype else repr(value)}."
-        )
-    return dtype
+    return _one_of(
+        value,
+        _REDUCE_DTYPES,
+        "Float8Recipe(reduce_dtype=...) is the dtype weight gradients are reduced "
+        "across devices in: jnp.float32 (default), jnp.bfloat16 or jnp.float16",
+    )
 
 
 def _check_gemm(gemm: Any, scaling: str) -> None:
