@@ -178,7 +178,10 @@ def measure(config: GPTConfig, settings: Sequence[str]) -> list[dict[str, Any]]:
                 "partitioned": summarize(jaxamp.communication_report(jitted, *args), activation),
             }
             if tpu_mesh is not None:
-                row["tpu_final"] = _tpu_view(config, setting, layout, tpu_mesh, activation)
+                try:
+                    row["tpu_final"] = _tpu_view(config, setting, layout, tpu_mesh, activation)
+                except jax.errors.JaxRuntimeError as e:  # recorded, the other rows still run
+                    row["tpu_final"] = {"error": str(e).strip().splitlines()[0]}
             results.append(row)
             print(layout, setting, row["partitioned"]["by_kind_dtype"], flush=True)
     return results

@@ -22,7 +22,7 @@ from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._policy import Policy, get_policy
 
-__all__ = ["all_gather_cast", "gather_params", "vary_before_cast"]
+__all__ = ["all_gather_cast", "gather_params", "spans_devices", "vary_before_cast"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -55,6 +55,27 @@ def all_gather_cast(shard: Any, policy: Policy, axis_name: Any, axis: int = 0, t
     """
     dtypes = (policy.gather_dtype, policy.compute_dtype, policy.reduce_dtype)
     return _all_gather(shard, axis_name, axis, tiled, tuple(map(np.dtype, dtypes)))
+
+
+def spans_devices(*values: Any) -> bool:
+    """Whether the trace sees ``values`` on a mesh of several devices, partitioned by XLA.
+
+    ``jit`` with sharded arguments gives every traced value's type the mesh
+    (``jax.typeof(v).sharding.mesh``), ``jax.set_mesh`` gives the trace one;
+    the SPMD partitioner then inserts the collectives, in the dtype of the
+    values they sum. False on one device, inside ``shard_map`` (manual axes:
+    the code's own collectives), and under ``jit(in_shardings=...)`` of
+    arrays whose mesh the trace does not see.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    for value in values:
+        own = getattr(getattr(jax.typeof(value), "sharding", None), "mesh", None)
+        if own is not None and not own.empty:
+            mesh = own
+            break
+    if mesh.empty or mesh.size < 2:
+        return False
+    return jax.sharding.AxisType.Manual not in mesh.axis_types
 
 
 def vary_before_cast(value: Any, reduce_dtype: Any, *like: Any) -> Any:

@@ -41,7 +41,7 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
 from jaxamp._policy import Policy
-from jaxamp._wire import vary_before_cast
+from jaxamp._wire import spans_devices, vary_before_cast
 
 __all__ = [
     "KIND_RULES",
@@ -177,16 +177,20 @@ class Autocaster:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
         return ACTIVATION if dtype == self.compute_dtype else PINNED
 
-    def gradient_dtype(self, role: int) -> np.dtype:
+    def gradient_dtype(self, role: int, partitioned: bool = False) -> np.dtype:
         """The result dtype of the backward product giving a contraction operand's cotangent.
 
-        float32 accumulation, except that the gradient of a parameter (a PLAIN
-        operand) comes out in a 16-bit ``policy.reduce_dtype``: under SPMD
-        partitioning the partitioner reduces it across devices right after that
-        product, in its result dtype.
+        Under SPMD partitioning the partitioner reduces a cotangent across
+        devices right after that product, in its result dtype. The gradient
+        of a parameter (a PLAIN operand) comes out in ``policy.reduce_dtype``
+        (float32 unless it is 16-bit); an activation's in the compute dtype
+        where the program spans several devices (``partitioned``: Megatron's
+        16-bit partial sums), else float32 (accumulation, then a cast).
         """
         reduce = np.dtype(self.policy.reduce_dtype)
-        return reduce if role == PLAIN and reduce.itemsize < 4 else F32
+        if role == PLAIN:
+            return reduce if reduce.itemsize < 4 else F32
+        return self.compute_dtype if partitioned else F32
 
     # -- helpers for the higher-order rules ---------------------------------------
 
@@ -289,13 +293,21 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain, ac.fp8_weights)
     else:
+        # Across devices, a product's partial sums are reduced in its result dtype:
+        # the compute dtype there, float32 (then a cast) on one device.
+        partitioned = spans_devices(lhs, rhs)
         lhs, rhs = (
             _contraction_operand(ac, lhs, lhs_role, rhs),
             _contraction_operand(ac, rhs, rhs_role, lhs),
         )
-        grad_dtypes = (ac.gradient_dtype(lhs_role), ac.gradient_dtype(rhs_role))
         matmul = functools.partial(
-            run_matmul, transposable=ac.transposable, grad_dtypes=grad_dtypes
+            run_matmul,
+            transposable=ac.transposable,
+            grad_dtypes=(
+                ac.gradient_dtype(lhs_role, partitioned),
+                ac.gradient_dtype(rhs_role, partitioned),
+            ),
+            result_dtype=ac.compute_dtype if partitioned else F32,
         )
     unpad = None
     if ac.pad_to is not None:

@@ -144,16 +144,24 @@ def _pin(x, w):
 
 
 def _mixed_matmul(
-    prim: jex.Primitive, params: dict, dtype: np.dtype, grad_dtypes: tuple[np.dtype, np.dtype]
+    prim: jex.Primitive,
+    params: dict,
+    dtype: np.dtype,
+    grad_dtypes: tuple[np.dtype, np.dtype],
+    result_dtype: np.dtype = F32,
 ) -> Callable:
     # ``grad_dtypes``: the result dtypes of the products that give the cotangents of
     # x and w (before their cast to ``dtype``): the SPMD partitioner reduces a
     # gradient across devices right after its product, in that dtype.
+    # ``result_dtype``: the forward product's, for the same reason.
     low_params = {**params, "preferred_element_type": dtype}
 
     def product(x, w, *extra):
         x, w = _pin(x, w)
-        return _accumulating(prim, params, dtype, x, w, *extra, pinned=(x, w)), (x, w)
+        out = _accumulating(
+            prim, params, dtype, x, w, *extra, accumulate=result_dtype, pinned=(x, w)
+        )
+        return out, (x, w)
 
     @jax.custom_vjp
     def matmul(x, w, *extra):
@@ -208,6 +216,7 @@ def run_matmul(
     dtype: np.dtype,
     transposable: bool = False,
     grad_dtypes: tuple[Any, Any] = (F32, F32),
+    result_dtype: Any = F32,
 ) -> Any:
     """The product of ``eqn`` on compute-dtype operands, result in ``dtype``.
 
@@ -219,6 +228,11 @@ def run_matmul(
     cotangents of ``x`` and ``w`` (float32 accumulation, or a 16-bit policy
     ``reduce_dtype`` for a parameter): under SPMD partitioning a weight
     gradient is reduced across devices in it.
+    ``result_dtype``: the forward product's result dtype before the cast to
+    ``dtype``: float32, or ``dtype`` itself where the program spans several
+    devices, so that a row-parallel layer's partial sums are reduced in it
+    (the product still accumulates in float32 on GPU/TPU; XLA:CPU computes
+    it in float32 and rounds).
     """
     if dtype.itemsize >= 4:
         # float32 (or wider) compute: run as written, so a float32 policy is exact.
@@ -226,7 +240,9 @@ def run_matmul(
     if transposable:
         return _transposable(eqn.primitive, dict(eqn.params), dtype, x, w, *extra)
     params, x, w = _canonical_operands(eqn.primitive, dict(eqn.params), x, w)
-    return _mixed_matmul(eqn.primitive, params, dtype, grad_dtypes)(x, w, *extra)
+    return _mixed_matmul(eqn.primitive, params, dtype, grad_dtypes, np.dtype(result_dtype))(
+        x, w, *extra
+    )
 
 
 def _pad_axis(x, axis: int, multiple: int):

@@ -3,10 +3,12 @@
 The program is read right after the SPMD partitioner (``jaxamp.communication_report``):
 each parameter all-gathered once, in the compute dtype; weight gradients reduced in
 ``policy.reduce_dtype`` (float32 by default, bfloat16 when asked); a sharded loss equal
-to the one-device loss. Three models (a Flax linen GPT, a Flax NNX and an Equinox
-model), ``jit`` with ``NamedSharding`` (each weight sharded on its largest dim), and a
-hand-written FSDP step in ``shard_map``. One subprocess (this file run as a script,
-8 devices forced by XLA_FLAGS before jax is imported) measures everything and prints
+to the one-device loss. Under Megatron tensor parallelism, autocast's partial sums
+are all-reduced in bfloat16: no more bytes than the policy cast. Three models (a Flax
+linen GPT, a Flax NNX and an Equinox model), ``jit`` with ``NamedSharding`` (each
+weight sharded on its largest dim), and a hand-written FSDP step in ``shard_map``.
+One subprocess (this file run as a script, 8 devices forced by XLA_FLAGS before jax
+is imported) measures everything and prints
 JSON; the tests assert on it.
 """
 
@@ -211,6 +213,40 @@ def _shard_map_fsdp():
     return out
 
 
+def _tensor_parallel():
+    """Megatron tensor parallel (benchmarks/_sharding.py's layout) on a one-layer GPT."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    import jaxamp
+    from benchmarks._models import GPT, GPTConfig, gpt_batch, gpt_init, gpt_loss_fn
+    from benchmarks._sharding import batch_spec, param_specs
+
+    config = GPTConfig(vocab=64, seq=16, d_model=64, n_heads=8, d_ff=128, n_layers=1, batch=8)
+    model = GPT(config, dtype=None)  # each layer computes in its inputs' dtype
+    loss, params, batch = gpt_loss_fn(model), gpt_init(model, config), gpt_batch(config)
+    mesh = jax.make_mesh((N_DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    specs = param_specs(params, "tp", N_DEVICES)
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    replicated = NamedSharding(mesh, batch_spec("tp"))
+    batch_sharded = jax.tree.map(lambda x: jax.device_put(x, replicated), batch)
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    settings = {
+        "policy_cast": lambda p, b: loss(policy.cast_to_compute(p), b),
+        "autocast": jaxamp.autocast(loss, policy),
+    }
+    out = {}
+    for name, fn in settings.items():
+        # Flax's layer norm promotes bfloat16 params to float32 implicitly.
+        with jax.numpy_dtype_promotion("standard"):
+            report = jaxamp.communication_report(jax.value_and_grad(fn), sharded, batch_sharded)
+        out[name] = {**_wire(report), "total": report.bytes_per_param()}
+    fn = jax.jit(settings["autocast"])
+    out["loss_sharded"] = float(fn(sharded, batch_sharded))
+    out["loss_one_device"] = float(fn(params, batch))
+    return out
+
+
 def _worker() -> dict:
     import jax
     import jax.numpy as jnp
@@ -225,6 +261,7 @@ def _worker() -> dict:
     for name, make in (("gpt", _gpt), ("nnx", _nnx), ("equinox", _equinox)):
         out[name] = _measure(*make(), policies)
     out["shard_map"] = _shard_map_fsdp()
+    out["tensor_parallel"] = _tensor_parallel()
     return out
 
 
@@ -290,6 +327,20 @@ def test_shard_map_fsdp_gathers_in_bfloat16_and_reduces_in_the_reduce_dtype(meas
         narrow = out[name + "_reduce_bf16"]["per_param"]
         assert narrow["reduce bfloat16"] >= 1.9, narrow
         assert abs(out[name + "_loss"] - out["loss_float32"]) <= 2.0**-7 * out["loss_float32"]
+
+
+def test_tensor_parallel_autocast_moves_no_more_than_the_policy_cast(measured):
+    # Row-parallel partial sums (and column-parallel activation gradients) are
+    # all-reduced in bfloat16, as Megatron does: not in float32.
+    out = measured["tensor_parallel"]
+    autocast, cast = out["autocast"], out["policy_cast"]
+    assert autocast["total"] <= cast["total"], (autocast, cast)
+    assert autocast["per_param"]["reduce bfloat16"] > 0.5, autocast
+    # float32 only where the policy cast has it too (small replicated gradients).
+    f32 = autocast["per_param"].get("reduce float32", 0.0)
+    assert f32 <= cast["per_param"].get("reduce float32", 0.0), (autocast, cast)
+    got, want = out["loss_sharded"], out["loss_one_device"]
+    assert abs(got - want) <= 2.0**-8 * abs(want)
 
 
 def _gpt_2_65m() -> dict:
