@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import is_floating
+from jaxamp._casting import INTERNAL_SCOPE, is_floating
 
 # The older name of _casting.is_floating, still imported by _control_flow.py.
 is_float = is_floating
@@ -63,7 +63,9 @@ def saturate_finite(x: Any, dtype: np.dtype) -> Any:
 def _saturate(x: jax.Array, dtype: np.dtype) -> jax.Array:
     top = jnp.finfo(dtype).max
     clipped = jax.lax.clamp(np.asarray(-top, x.dtype), x, np.asarray(top, x.dtype))
-    return jax.lax.select(jax.lax.is_finite(x), cast(clipped, dtype), cast(x, dtype))
+    with jax.named_scope(INTERNAL_SCOPE):  # kept only where x is inf/NaN
+        unclamped = cast(x, dtype)
+    return jax.lax.select(jax.lax.is_finite(x), cast(clipped, dtype), unclamped)
 
 
 @_saturate.defjvp
