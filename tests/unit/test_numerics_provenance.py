@@ -205,7 +205,10 @@ CASES = [
     pytest.param(name, precision, marks=() if precision == "autocast_float16" else pytest.mark.slow)
     for name in ZOO
     for precision in PRECISIONS
-    if (name, precision) != ("padded_cross_entropy", "hand_float16")
+    # Left out: XLA:CPU has no float16 dot with a float32 result (the float16
+    # attention), and the float16 padded cross-entropy aborts XLA:CPU's compile.
+    if precision != "hand_float16"
+    or name not in ("dot_product_attention_bool_mask", "padded_cross_entropy")
 ]
 
 
