@@ -11,10 +11,22 @@ import numpy as np
 
 from jaxamp._engine._trace import ARRAY_TYPES
 
-__all__ = ["F32", "canonical_float_dtype", "cast_floating", "is_floating", "is_narrow", "widen"]
+__all__ = [
+    "F32",
+    "INTERNAL_SCOPE",
+    "canonical_float_dtype",
+    "cast_floating",
+    "is_floating",
+    "is_narrow",
+    "widen",
+]
 
 # float32: what jaxamp accumulates, widens and keeps precision-sensitive values in.
 F32 = np.dtype(np.float32)
+# The name scope of values jaxamp computes and then discards (the unclamped branch of
+# a saturating cast, an FP8 scale of an all-zero group): numerics_report marks them
+# ``internal`` and never blames them, whatever they hold.
+INTERNAL_SCOPE = "jaxamp_internal"
 
 # Leaves whose dtype casting may change: arrays (the engine's ARRAY_TYPES, tracers
 # included) and the avals of jax.eval_shape.

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxamp._numerics._flow import SiteGraph
 from jaxamp._numerics._retype import checking_every_twin
 from jaxamp._numerics._summary import summarise
 from jaxamp._numerics._types import NumericsReport
@@ -38,12 +39,13 @@ class Compiled(NamedTuple):
     run: Callable
     sites: list  # its catalog (what each row of its statistics is)
     paths: list[str]  # the argument path of each array input, for naming non-finite ones
+    graph: SiteGraph  # the data flow between sites: which inf/NaN reach the outputs
 
     def report(self, floats, ints, finite, scale: float | None) -> NumericsReport:
         """The report from one run's statistics (host arrays); ``scale``: the loss scale."""
         flags = np.asarray(finite)
         bad = tuple(p for p, ok in zip(self.paths, flags, strict=False) if not ok)
-        return summarise(self.sites, np.asarray(floats), np.asarray(ints), scale, bad)
+        return summarise(self.sites, self.graph, np.asarray(floats), np.asarray(ints), scale, bad)
 
 
 _CACHE: collections.OrderedDict[Hashable, Compiled] = collections.OrderedDict()

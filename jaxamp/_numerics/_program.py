@@ -23,6 +23,7 @@ from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
 from jaxamp._engine._trace import flatten_call, is_array
 from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
+from jaxamp._numerics._flow import site_graph
 from jaxamp._numerics._instrument import all_finite_flag, instrumented
 from jaxamp._numerics._sites import catalog
 
@@ -74,7 +75,7 @@ class NumericsProgram:
     def traced(self, inputs: list) -> Compiled:
         """The instrumented program as a function to trace into a caller's program."""
         closed, sites = self.catalogued(inputs)
-        return Compiled(_measuring(closed, sites), sites, self.paths())
+        return Compiled(_measuring(closed, sites), sites, self.paths(), site_graph(closed))
 
     def compiled(self, inputs: list) -> Compiled:
         """The instrumented program compiled for ``inputs``, cached across calls."""
@@ -83,7 +84,7 @@ class NumericsProgram:
             closed, sites = self.catalogued(inputs)
             # A fresh jit per attempt: the fallback traces it again, checking every twin.
             run = compile_with_fallback(lambda: jax.jit(_measuring(closed, sites)), inputs)
-            return Compiled(run, sites, self.paths())
+            return Compiled(run, sites, self.paths(), site_graph(closed))
 
         return cached(self.cache_key(), build)
 

@@ -36,6 +36,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._casting import INTERNAL_SCOPE
 from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 from jaxamp._engine._visit import sub_path
@@ -63,7 +64,7 @@ class Site(NamedTuple):
     dtype: np.dtype
     shape: tuple[int, ...]
     in_loop: bool
-    internal: bool = False  # jaxamp's own bookkeeping (a barrier autocast inserted)
+    internal: bool = False  # jaxamp's own values (a barrier, a discarded branch)
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -214,7 +215,11 @@ _JAXAMP_DIR = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__fi
 
 
 def _is_internal(eqn: jex.JaxprEqn) -> bool:
-    """A barrier jaxamp inserted (autocast's matmul operands): moves values, hidden in tables."""
+    """jaxamp's own values: a barrier autocast inserted (autocast's matmul operands:
+    moves values), or a value it computes and discards (``INTERNAL_SCOPE``: the
+    unclamped branch of a saturating cast, the FP8 scale of an all-zero group)."""
+    if INTERNAL_SCOPE in str(eqn.source_info.name_stack):
+        return True
     frames = compat.source_frames(eqn)
     return (
         eqn.primitive.name == "optimization_barrier"

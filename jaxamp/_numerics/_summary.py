@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 
+from jaxamp._numerics._flow import SiteGraph, reaching
 from jaxamp._numerics._sites import Site
 from jaxamp._numerics._stats import NEVER, STATISTICS, unpack_row
 from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
@@ -14,17 +15,34 @@ __all__ = ["summarise"]
 
 
 def summarise(
-    sites: list[Site], floats, ints, scale: float | None, nonfinite_inputs: tuple[str, ...] = ()
+    sites: list[Site],
+    graph: SiteGraph,
+    floats,
+    ints,
+    scale: float | None,
+    nonfinite_inputs: tuple[str, ...] = (),
 ) -> NumericsReport:
-    ops, origin, origin_clock = [], None, NEVER
+    ops, clocks = [], []
     for site, float_row, int_row in zip(sites, floats, ints, strict=True):
         op, clock = _op_stats(site, unpack_row(float_row, int_row))
         ops.append(op)
-        if clock < origin_clock:
-            origin, origin_clock = op, clock
+        clocks.append(clock)
+    origin, absorbed = _blame(sites, graph, ops, clocks)
     largest = _largest_loss_scale(ops, scale)
     suggested = None if largest is None else largest / SAFETY_FACTOR
-    return NumericsReport(tuple(ops), origin, suggested, scale, largest, nonfinite_inputs)
+    return NumericsReport(tuple(ops), origin, suggested, scale, largest, nonfinite_inputs, absorbed)
+
+
+def _blame(sites, graph: SiteGraph, ops: list[OpStats], clocks: list[int]):
+    """``(origin, absorbed)``: the first op that made an inf/NaN from finite inputs
+    which reaches the outputs, and the ops whose inf/NaN never did (autocast's own
+    internal values are neither)."""
+    row = {site.key: i for i, site in enumerate(sites)}
+    reach = reaching(graph, lambda key: key in row and ops[row[key]].nonfinite > 0)
+    born = [i for i, clock in enumerate(clocks) if clock != NEVER and not ops[i].internal]
+    blamed = [i for i in born if sites[i].key in reach]
+    origin = ops[min(blamed, key=clocks.__getitem__)] if blamed else None
+    return origin, tuple(ops[i] for i in born if sites[i].key not in reach)
 
 
 def _op_stats(site: Site, stat) -> tuple[OpStats, int]:

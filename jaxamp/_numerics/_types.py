@@ -49,8 +49,11 @@ class OpStats:
       lost_fraction: the fraction of values that are zero or subnormal here and
         normal in the float32 twin, wherever they were flushed (at this op or
         before): how much of this value float16 lost. At least ``underflow_fraction``.
-      internal: a barrier that jaxamp's autocast inserted around a matmul's
-        operands (it moves values): in ``ops``, left out of the tables.
+      internal: jaxamp's own value: a barrier that autocast inserted around a
+        matmul's operands (it moves values), or a value autocast computes and
+        discards (the unclamped branch of a saturating cast of an out-of-range
+        float32 constant, the FP8 scale of an all-zero group): in ``ops``, left
+        out of the tables, never ``first_nonfinite``.
       saturated_fraction: for a float8 output, the fraction of values at the
         dtype's largest finite magnitude (``448`` in ``float8_e4m3fn``): clipped
         there by FP8 autocast's saturating cast, or scaled exactly onto it (the
@@ -99,7 +102,13 @@ class NumericsReport:
       ops: one :class:`OpStats` per floating output of every equation run, in
         program order (forward, then backward with ``grad=True``).
       first_nonfinite: the first op, in execution order, that produced an inf/NaN
-        from finite inputs (where a NaN was born, not where it flowed), or None.
+        from finite inputs (where a NaN was born, not where it flowed) that
+        *reaches* the outputs: a chain of non-finite ops leads from it to a
+        non-finite loss, gradient or ``aux`` output. None when no inf/NaN made
+        in the program reaches them. An inf that is absorbed on the way (the
+        ``-inf`` of a mask after ``softmax``, a ``where`` that discards it,
+        ``tanh(inf)``) is listed in ``absorbed`` instead, and values that
+        autocast computes and discards (``internal``) are never blamed.
       suggested_loss_scale: with ``grad=True`` and a 16-bit floating op in the
         backward pass, a power of two at which no ``scaled`` op overflows, 8x
         (:data:`SAFETY_FACTOR`) below the largest such power of two; else None.
@@ -108,6 +117,8 @@ class NumericsReport:
         suggestion times the safety factor), or None.
       nonfinite_inputs: the arguments that hold an inf/NaN, each named by its
         parameter and its path inside it (``"params['w1']"``), in argument order.
+      absorbed: the ops that made an inf/NaN from finite inputs which never
+        reaches the outputs (each with its ``nonfinite`` count), in program order.
     """
 
     ops: tuple[OpStats, ...]
@@ -116,6 +127,7 @@ class NumericsReport:
     loss_scale: float | None = None
     max_loss_scale: float | None = None
     nonfinite_inputs: tuple[str, ...] = ()
+    absorbed: tuple[OpStats, ...] = ()
 
     def nearest_overflow(self, n: int = _ROWS) -> list[OpStats]:
         """The ``n`` ops with the largest ``headroom`` (closest to their dtype's max)."""
@@ -144,10 +156,17 @@ class NumericsReport:
         if self.nonfinite_inputs:
             lines.append("non-finite inputs: " + ", ".join(self.nonfinite_inputs))
         if origin is None:
-            lines.append(_no_origin(len(self.nonfinite_ops), bool(self.nonfinite_inputs)))
+            lines.append(
+                _no_origin(
+                    len(self.nonfinite_ops), bool(self.nonfinite_inputs), bool(self.absorbed)
+                )
+            )
         else:
-            lines.append("first inf/NaN made from finite inputs:")
+            lines.append("first inf/NaN made from finite inputs that reaches the outputs:")
             lines += _table([origin])
+        if self.absorbed:
+            lines.append("inf/NaN absorbed before the outputs (not the origin):")
+            lines += _table(self.absorbed[:_ROWS])
         lines.append("nearest to overflow:")
         lines += _table(self.nearest_overflow())
         flushed = self.most_underflow()
@@ -169,9 +188,11 @@ class NumericsReport:
 SAFETY_FACTOR = 8
 
 
-def _no_origin(bad: int, bad_inputs: bool) -> str:
+def _no_origin(bad: int, bad_inputs: bool, absorbed: bool) -> str:
     if not bad:
         return "no inf/NaN"
+    if absorbed and not bad_inputs:
+        return f"no inf/NaN made here reaches the outputs ({bad} ops hold one)"
     if bad_inputs:
         return f"inf/NaN only from the non-finite inputs ({bad} ops)"
     return f"inf/NaN only from non-finite float32 constants, such as an -inf mask ({bad} ops)"

@@ -53,6 +53,9 @@ ORIGINS = {
     "sqrt_gradient_at_zero": (_sqrt_sum, (jnp.zeros(3),), True),
 }
 
+# The gradient of the norm at 0 is 0/0, which the where's gradient then discards.
+ABSORBED = frozenset({"norm_gradient_at_zero"})
+
 
 def _op_by_op_origin(fun, args, grad):
     """``(primitive, user line)`` where ``jax_debug_nans``/``infs`` stop, op by op."""
@@ -80,6 +83,9 @@ def test_first_nonfinite_matches_op_by_op_debug_nans(name):
     assert want is not None, "the oracle found no inf/NaN"
     report = jaxamp.numerics_report(fun, *args, grad=grad)
     origin = report.first_nonfinite
+    if name in ABSORBED:  # the NaN never reaches the gradient: listed, not blamed
+        assert origin is None and len(report.absorbed) == 1
+        origin = report.absorbed[0]
     assert origin is not None
     path, line = origin.source.rsplit(":", 1)
     assert (origin.primitive, os.path.realpath(path), int(line)) == (want[0], _HERE, want[1])
