@@ -15,6 +15,7 @@ from benchmarks import (
     comm_bytes,
     compile_scaling,
     follow_rule,
+    fp8_wire,
     gpu_speed,
     low_precision,
     numerics_cost,
@@ -33,6 +34,7 @@ TABLES = {
     "low_precision": low_precision.table,
     "numerics_cost": numerics_cost.table,
     "comm_bytes": comm_bytes.table,
+    "fp8_wire": fp8_wire.table,
 }
 
 
@@ -54,7 +56,9 @@ def render(path: Path) -> str:
     else:
         script = next(name for name in TABLES if path.stem.startswith(name))
         lines.append(TABLES[script](payload["results"]))
-        reasons = {r["reason"] for r in payload["results"] if r.get("status") == "skipped"}
+        rows = payload["results"]
+        rows = rows.values() if isinstance(rows, dict) else rows
+        reasons = {r["reason"] for r in rows if r.get("status") == "skipped"}
         lines += [f"- skipped: {reason}" for reason in sorted(reasons)]
     return "\n".join(lines) + "\n"
 

@@ -298,6 +298,7 @@ def test_low_precision_smoke(tmp_path):
     assert results["float32_master"]["update"]["ratio_cpu"] == 1.0
 
 
+@pytest.mark.slow  # 8-device GPT programs; test_fp8_sharding.py asserts this in CI
 def test_fp8_wire_smoke(tmp_path):
     # 8 CPU devices must be forced before jax is imported: a fresh interpreter.
     import os
