@@ -83,3 +83,14 @@ def run_with_devices(
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def conditioned(rows: int, cols: int, cond: float, seed: int = 0) -> np.ndarray:
+    """A ``rows x cols`` matrix with singular values from 1 down to ``1 / cond``."""
+    rng = np.random.default_rng(seed)
+    u, _ = np.linalg.qr(rng.standard_normal((rows, rows)))
+    v, _ = np.linalg.qr(rng.standard_normal((cols, cols)))
+    s = np.zeros((rows, cols))
+    k = min(rows, cols)
+    s[:k, :k] = np.diag(np.geomspace(1.0, 1.0 / cond, k))
+    return (u @ s @ v.T).astype(np.float32)

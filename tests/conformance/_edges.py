@@ -34,23 +34,13 @@ import numpy as np
 import jaxamp
 from tests.conformance import _sweep
 from tests.conformance._oracles import compare
+from tests.helpers import conditioned
 
 F32 = np.dtype(np.float32)
 POLICIES = ("mixed_bfloat16", "mixed_float16")
 CONDITIONS = (1e1, 1e2, 1e3, 1e4)
 SHAPES = ((4, 8), (8, 4), (8, 8))
 CONSTANT_FACTORS = (0.5, 1.0, 1.5, 10.0)
-
-
-def conditioned(rows: int, cols: int, cond: float, seed: int = 0) -> np.ndarray:
-    """A ``rows x cols`` matrix with singular values from 1 down to ``1 / cond``."""
-    rng = np.random.default_rng(seed)
-    u, _ = np.linalg.qr(rng.standard_normal((rows, rows)))
-    v, _ = np.linalg.qr(rng.standard_normal((cols, cols)))
-    s = np.zeros((rows, cols))
-    k = min(rows, cols)
-    s[:k, :k] = np.diag(np.geomspace(1.0, 1.0 / cond, k))
-    return (u @ s @ v.T).astype(F32)
 
 
 def _rhs(rows: int) -> np.ndarray:

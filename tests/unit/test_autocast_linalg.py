@@ -12,21 +12,10 @@ import numpy as np
 import pytest
 
 import jaxamp
-from tests.helpers import dot_dtypes, rel_err
+from tests.helpers import conditioned, dot_dtypes, rel_err
 
 F32 = jnp.dtype(jnp.float32)
 POLICIES = ("mixed_bfloat16", "mixed_float16")
-
-
-def conditioned(rows, cols, cond, seed=0):
-    """A ``rows x cols`` float32 matrix with singular values from 1 down to ``1/cond``."""
-    rng = np.random.default_rng(seed)
-    u, _ = np.linalg.qr(rng.standard_normal((rows, rows)))
-    v, _ = np.linalg.qr(rng.standard_normal((cols, cols)))
-    s = np.zeros((rows, cols))
-    k = min(rows, cols)
-    s[:k, :k] = np.diag(np.geomspace(1.0, 1.0 / cond, k))
-    return jnp.asarray(u @ s @ v.T, F32)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
