@@ -40,7 +40,7 @@ from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
 from jaxamp._version import __version__
-from jaxamp._wire import gather_params
+from jaxamp._wire import WireDtypeWarning, gather_params
 
 if _importlib_util.find_spec("flax") is not None:
     # Eager, so that a checkpoint restores the scale's configuration whether or not
@@ -67,6 +67,7 @@ __all__ = [
     "StaticLossScale",
     "TooManySkippedSteps",
     "UnknownPrimitiveWarning",
+    "WireDtypeWarning",
     "__version__",
     "align_dim",
     "all_finite",

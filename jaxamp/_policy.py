@@ -94,7 +94,18 @@ class Policy:
         return cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
-        """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
+        """Casts the floating leaves of ``tree`` to ``compute_dtype``.
+
+        In a traced program over several devices (``jax.jit`` of sharded arrays,
+        ``shard_map``) the cast cannot choose what crosses the wire: the
+        partitioner gathers the cast shard, and a weight gradient is reduced in
+        the result dtype of the product that computes it. Where that differs
+        from ``gather_dtype`` or ``reduce_dtype`` it warns
+        (:class:`jaxamp.WireDtypeWarning`); see the policies page, "Across devices".
+        """
+        from jaxamp._wire import warn_unhonoured_wire_dtypes  # _wire imports this module
+
+        warn_unhonoured_wire_dtypes(self, jax.tree.leaves(tree))
         return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:

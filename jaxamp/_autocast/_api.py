@@ -21,6 +21,7 @@ from jaxamp._engine._trace import trace
 from jaxamp._fp8 import Float8Recipe, fp8_weight_amaxes
 from jaxamp._policy import Policy
 from jaxamp._resolve import resolve
+from jaxamp._wire import warn_unhonoured_wire_dtypes
 
 __all__ = ["autocast"]
 
@@ -114,6 +115,7 @@ def autocast(
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):
         closed, arrays, out_tree = trace(fun, args, kwargs)
+        warn_unhonoured_wire_dtypes(policy, list(arrays), getattr(fun, "__name__", "fun"))
         autocaster = Autocaster(policy, table, multiple, fp8=recipe)
 
         def run(*dyn):
