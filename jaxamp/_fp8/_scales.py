@@ -15,8 +15,9 @@ The reduction is a JAX ``custom_partitioning`` op: the SPMD partitioner hands
 it the weights' shardings, and it reduces each device's local maxima with one
 ``pmax`` over the mesh axes any weight is sharded on. It is used where the
 trace sees a mesh of several devices (the weights' types, or ``jax.set_mesh``);
-elsewhere (one device, inside ``shard_map`` or ``vmap``) each quantization
-computes its own amax, as without the pre-pass.
+elsewhere (one device, inside ``shard_map`` or ``vmap``, or compiled ahead of time
+for another platform's topology) each quantization computes its own amax, as
+without the pre-pass.
 """
 
 from __future__ import annotations
@@ -144,6 +145,24 @@ def _mesh_of(weights: Sequence[jax.Array]):
     return jax.sharding.get_abstract_mesh()
 
 
+def _compiled_elsewhere(mesh) -> bool:
+    """Whether ``mesh`` holds devices of a platform this process has no backend for.
+
+    That is a program compiled ahead of time for a topology
+    (``jax.experimental.topologies``, e.g. a TPU slice from a CPU machine): the
+    partitioner of that compiler cannot call back into Python, where the
+    ``custom_partitioning`` rule lives, so each weight's amax is reduced on its own.
+    """
+    platform = getattr(getattr(mesh, "abstract_device", None), "platform", None)
+    if platform is None:
+        return False
+    try:
+        jax.devices(platform)
+    except RuntimeError:
+        return True
+    return False
+
+
 def _reduced(weights: Sequence[jax.Array]) -> jax.Array | None:
     """The amaxes of ``weights`` from one all-reduce, or None where nothing is sharded.
 
@@ -154,6 +173,8 @@ def _reduced(weights: Sequence[jax.Array]) -> jax.Array | None:
     mesh = _mesh_of(weights)
     if mesh.empty or mesh.size < 2 or jax.sharding.AxisType.Manual in mesh.axis_types:
         return None  # one device, or inside shard_map (local values)
+    if _compiled_elsewhere(mesh):
+        return None
     try:
         fused = _fused_amaxes(tuple(w.ndim for w in weights))
         with jax.named_scope(SCOPE):  # communication_report's source of the all-reduce

@@ -4,6 +4,8 @@ The 8-device behaviour (one float8 gather per weight, one fused amax
 all-reduce, sharded == one device) is in tests/integration/test_fp8_sharding.py.
 """
 
+import types
+
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import numpy as np
 
 import jaxamp
 from jaxamp._engine._trace import trace
-from jaxamp._fp8._scales import weight_operands
+from jaxamp._fp8._scales import _compiled_elsewhere, weight_operands
 
 
 def _operand_inputs(fn, *args) -> list[int | None]:
@@ -73,3 +75,14 @@ def test_reduce_dtype_is_the_weight_gradient_product_dtype():
     g32 = jax.grad(jaxamp.autocast(loss, jaxamp.Float8Recipe()))(w, x)
     g16 = jax.grad(jaxamp.autocast(loss, recipe))(w, x)
     np.testing.assert_allclose(g16, g32, rtol=2**-8)
+
+
+def test_a_topology_compiled_ahead_of_time_reduces_each_amax_on_its_own():
+    # The custom_partitioning rule of the fused weight-amax reduction runs in this
+    # process's partitioner only: a mesh of TPU devices on a CPU-only machine (a
+    # jax.experimental.topologies compile) takes the per-weight reductions.
+    local = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    assert not _compiled_elsewhere(local.abstract_mesh)
+    elsewhere = "tpu" if jax.default_backend() != "tpu" else "cuda"
+    fake = types.SimpleNamespace(abstract_device=types.SimpleNamespace(platform=elsewhere))
+    assert _compiled_elsewhere(fake)
