@@ -35,7 +35,7 @@ from jaxamp._autocast._values import (
     promote,
     saturate_finite,
 )
-from jaxamp._autocast._wide import breaks_in, feeds_reduction, is_constant
+from jaxamp._autocast._wide import KnownConstants, breaks_in, feeds_reduction
 from jaxamp._casting import F32, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
@@ -87,6 +87,8 @@ class Autocaster:
         # True inside a custom_jvp's JVP rule (JAX transposes what it computes) and
         # inside a checkpoint with a policy (which must see the dot_generals).
         self.transposable = False
+        # Constants, traced ones included (a jit's argument, a broadcast): see _wide.
+        self.constants = KnownConstants()
 
     def with_transposable_matmuls(self) -> Autocaster:
         """The same autocaster, emitting matmuls as JAX's own 16-bit dot_generals."""
@@ -105,7 +107,9 @@ class Autocaster:
 
     def _apply(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         rule = self.table.get(eqn.primitive.name) or _unlisted(eqn)
-        return rule(self, eqn, ins)
+        outs = rule(self, eqn, ins)
+        self.constants.carry(eqn, [v for v, _ in ins], [v for v, _ in outs])
+        return outs
 
     def follow_values(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> tuple[list, int]:
         """The operands of a "follow" equation brought to one dtype, and its role.
@@ -159,7 +163,7 @@ class Autocaster:
         if any(id(eqn) in wide for _, wide in self._wide_powers.values()):
             return True  # a power or product on its way into a float32 sum
         plain = [v for v, r in ins if is_floating(v) and r == PLAIN]
-        if any(breaks_in(v, self.compute_dtype) for v in plain):
+        if any(breaks_in(self.constants.values_of(v), self.compute_dtype) for v in plain):
             return True  # a constant it cannot hold (an eps, a 1e5 scale)
         if eqn.primitive.name == "div":
             divisor, role = ins[1]
@@ -169,7 +173,7 @@ class Autocaster:
                 is_floating(divisor)
                 and role == PLAIN
                 and _wider(divisor, self.compute_dtype)
-                and not is_constant(divisor)
+                and self.constants.values_of(divisor) is None
             )
         return False
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxamp._autocast._caster import keep
-from jaxamp._autocast._custom import handle_custom_jvp
+from jaxamp._autocast._custom import around_float32_core, handle_custom_jvp
 from jaxamp._autocast._scatter import SCATTER_RULES
 from jaxamp._autocast._values import PINNED, PLAIN, aval, cast, promote
 from jaxamp._autocast._wide import accumulator_carries
@@ -37,6 +37,13 @@ def _split(ins: Sequence[tuple]) -> tuple[list, list]:
 
 
 def _handle_call(ac, eqn, ins):
+    # A call built on a factorization or solve (jnp.linalg.lstsq's jit) runs as a
+    # whole in float32, as a custom_jvp function built on one does (_custom.py).
+    body = control.call_of(eqn).body
+    return around_float32_core(ac, eqn, body, ins, lambda ac, ins: _call(ac, eqn, ins))
+
+
+def _call(ac, eqn, ins):
     call = control.call_of(eqn)
     if call.rebuild is None:
         return ac.eval_jaxpr(call.body, ins)
@@ -44,11 +51,25 @@ def _handle_call(ac, eqn, ins):
     box: list = []
     if call.policy is not None:  # dots_saveable & co. must see dot_generals
         ac = ac.with_transposable_matmuls()
-    fun = ac.function_of(call.body, (), roles, box)
+    fun = _noting_constants(ac, ac.function_of(call.body, (), roles, box), ins)
     if call.name is not None:
         fun.__name__ = fun.__qualname__ = call.name
     outs = call.rebuild(fun)(*values)
     return list(zip(outs, box, strict=True))
+
+
+def _noting_constants(ac, fun, ins):
+    # A constant passed into a call (jnp.where's fill value into its jit) is a
+    # tracer inside: its values are noted, so the constant rule sees it there.
+    arrays = [ac.constants.values_of(v) if r == PLAIN else None for v, r in ins]
+
+    def noting(*args):
+        for arg, array in zip(args, arrays, strict=True):
+            ac.constants.note(arg, array)
+        return fun(*args)
+
+    noting.__name__ = noting.__qualname__ = fun.__name__
+    return noting
 
 
 def _join(carry: tuple, out: tuple) -> tuple:

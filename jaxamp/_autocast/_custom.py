@@ -18,7 +18,10 @@ decide how:
   results are PINNED. Its matmuls only make sense with the factorization's
   precision: ``pinv``'s gradient on a matrix of condition number 2000 was 14x
   further from float32 than the hand-cast program's with 16-bit matmuls around
-  a float32 SVD.
+  a float32 SVD. A call (a ``jit``, a ``checkpoint``) built on one runs in
+  float32 the same way (``around_float32_core``, used by
+  ``_control_flow._handle_call``): ``jnp.linalg.lstsq`` is a jit around an SVD,
+  whose float16 residual was exactly 0 on a wide matrix, its gradient NaN.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._visit import walk
 from jaxamp._policy import get_policy
 
-__all__ = ["handle_custom_jvp"]
+__all__ = ["around_float32_core", "handle_custom_jvp"]
 
 _F32 = np.dtype(np.float32)
 
@@ -46,12 +49,22 @@ _F32 = np.dtype(np.float32)
 def handle_custom_jvp(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     """The rule of ``custom_jvp_call`` (see the module docstring)."""
     parts = compat.custom_jvp_parts(eqn)
-    pinned = False
-    if ac.compute_dtype.itemsize < 4 and _has_float32_core(ac, parts.call_jaxpr):
-        pinned = any(r != PLAIN for v, r in ins if is_floating(v))
-        ins = [(_to_float32(v, var), PLAIN) for (v, _), var in zip(ins, eqn.invars, strict=True)]
-        ac = _float32_autocaster(ac)
-    outs = _rebuilt(ac, eqn, parts, ins)
+    return around_float32_core(
+        ac, eqn, parts.call_jaxpr, ins, lambda ac, ins: _rebuilt(ac, eqn, parts, ins)
+    )
+
+
+def around_float32_core(
+    ac: Autocaster, eqn: jex.JaxprEqn, body: jex.ClosedJaxpr, ins: list[tuple], run
+) -> list[tuple]:
+    """``run(ac, ins)``, or, where ``body`` has a float32 core and the compute dtype
+    is 16-bit, ``run`` under the ``"float32"`` policy on float32 operands, its
+    results PINNED (where an operand was not PLAIN)."""
+    if ac.compute_dtype.itemsize >= 4 or not _has_float32_core(ac, body):
+        return run(ac, ins)
+    pinned = any(r != PLAIN for v, r in ins if is_floating(v))
+    ins = [(_to_float32(v, var), PLAIN) for (v, _), var in zip(ins, eqn.invars, strict=True)]
+    outs = run(_float32_autocaster(ac), ins)
     if pinned:
         return [(v, PINNED if is_floating(v) else PLAIN) for v, _ in outs]
     return outs

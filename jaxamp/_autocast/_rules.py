@@ -45,8 +45,9 @@ RULE_KINDS = ("compute", "float32", "follow", "keep", "recurse")
 
 
 # Factorizations and solves: float32 (no 16-bit kernels on most backends), and a
-# custom_jvp function built around one (``pinv``) runs its whole rule, primal and
-# JVP, in float32 (``_custom.py``). ``custom_linear_solve`` (``solve``) is "keep".
+# custom_jvp function or a call built around one (``pinv``, ``lstsq``) runs as a
+# whole, rule included, in float32 (``_custom.py``). ``custom_linear_solve``
+# (``solve``) is "keep".
 LINALG_PRIMITIVES = (
     "cholesky",
     "eig",

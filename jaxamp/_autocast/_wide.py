@@ -19,11 +19,12 @@ inputs to 16 bits but keeps in float32 what 16 bits would break:
   float16, so ``log(p + 1e-8)`` becomes ``log(0)``, and a scale of ``1e5``
   saturates to 65504 (35% too little). An equation meeting such a constant runs
   in float32, as the hand-cast program (a 16-bit activation times a float32
-  array) does. Operands whose values cannot be looked at (parameters, traced
-  values, and a constant that reaches the equation through a ``jit`` or a
-  broadcast traced under one, as ``jnp.where``'s fill value does) saturate
-  instead, see ``_values.saturate_finite``: a mask fill value stays finite, and
-  a fully masked row with it.
+  array) does. A constant stays one through a ``jit`` it is passed into and
+  through broadcasts, reshapes and converts (``jnp.where``'s fill value:
+  ``KnownConstants``). Operands whose values cannot be looked at (parameters,
+  traced values such as a mask bias computed from the inputs) saturate instead,
+  see ``_values.saturate_finite``: a mask fill value stays finite, and a fully
+  masked row with it.
 
 The measurements behind these choices are in docs/api/autocast.md.
 """
@@ -36,7 +37,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-__all__ = ["accumulator_carries", "breaks_in", "feeds_reduction", "is_constant"]
+__all__ = ["KnownConstants", "accumulator_carries", "breaks_in", "feeds_reduction"]
 
 # Powers and products computed in float32 when a float32 sum consumes them.
 _POWERS = frozenset({"square", "integer_pow", "mul"})
@@ -163,20 +164,70 @@ def _concrete(value: Any) -> np.ndarray | None:
     return None
 
 
-def is_constant(value: Any) -> bool:
-    """A literal or closed-over constant whose values can be looked at."""
-    return _concrete(value) is not None
+# Equations whose output holds its first operand's values, only shaped or typed
+# differently (``neg`` negated): a constant stays one through them.
+_CARRY_VALUES = frozenset(
+    {
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "rev",
+        "copy",
+        "copy_p",
+        "convert_element_type",
+        "neg",
+    }
+)
 
 
-def breaks_in(value: Any, dtype: np.dtype) -> bool:
-    """Whether a concrete constant loses its meaning in ``dtype``.
+class KnownConstants:
+    """The values of the constants of one autocast call, traced or not.
+
+    A literal or a small closed-over array can be looked at directly. A
+    constant passed into a ``jit`` (``jnp.where``'s fill value) is a tracer
+    inside it, and so is its broadcast: ``note`` records the values of such a
+    tracer (the tracer is kept with them, so its ``id`` is not reused), and
+    ``carry`` records the outputs of ``_CARRY_VALUES`` equations on a constant.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def values_of(self, value: Any) -> np.ndarray | None:
+        """The values of a constant (for a broadcast: those broadcast), else None."""
+        array = _concrete(value)
+        if array is not None:
+            return array
+        entry = self._known.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def note(self, value: Any, array: np.ndarray | None) -> None:
+        if array is not None and isinstance(value, jax.core.Tracer):
+            self._known[id(value)] = (value, array)
+
+    def carry(self, eqn: jex.JaxprEqn, values: list, outs: list) -> None:
+        """Records ``outs`` of an equation that carries a constant's values."""
+        name = eqn.primitive.name
+        if name not in _CARRY_VALUES or not values or len(outs) != 1:
+            return
+        array = self.values_of(values[0])
+        if array is None:
+            return
+        with np.errstate(over="ignore", invalid="ignore"):  # a 16-bit view may be inf
+            array = -array if name == "neg" else array.astype(outs[0].dtype)
+        self.note(outs[0], array)
+
+
+def breaks_in(array: np.ndarray | None, dtype: np.dtype) -> bool:
+    """Whether a constant's values (``KnownConstants.values_of``) lose their meaning in ``dtype``.
 
     True when some nonzero finite value becomes 0 or loses more than a few bits
     of precision as a subnormal (``1e-8`` in float16), or lies beyond ``dtype``'s
     largest finite value (``1e5`` in float16, which would saturate or become
     inf). Infinities and NaN keep their meaning in any floating dtype.
     """
-    array = _concrete(value)
     if array is None or array.size == 0:
         return False
     info = jax.numpy.finfo(dtype)

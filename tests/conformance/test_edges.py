@@ -7,10 +7,19 @@ random-cotangent VJP. CI runs one case per reproducer class; ``slow`` all.
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import pytest
 
 from tests.conformance import _edges, _sweep
+
+# The coverage table's generator -> its axis in ``_edges.all_cases``.
+GENERATORS = {
+    "linalg_cases": "linalg: non-square, ill-conditioned",
+    "constant_cases": "constants at the range's edges",
+    "buffer_cases": "float32 buffers, 16-bit updates",
+}
 
 
 @functools.cache
@@ -42,6 +51,17 @@ def test_each_reproducer_class_once(record_property):
     record_property("coverage", _coverage(selected))
     failures = _failures(selected["one case per reproducer class (CI)"])
     assert not failures, "\n".join(failures)
+
+
+def test_the_coverage_table_counts_the_generated_cases():
+    # README.md's edges table says how many (case, policy) pairs each generator adds.
+    text = Path(__file__).with_name("README.md").read_text()
+    table = dict(re.findall(r"^\| `(\w+_cases)` \|.*\| (\d+)[ |]", text, re.MULTILINE))
+    counts = {axis: len(pairs) for axis, pairs in _all_cases().items()}
+    assert sorted(counts) == sorted(GENERATORS.values())
+    assert {g: int(n) for g, n in table.items()} == {g: counts[a] for g, a in GENERATORS.items()}
+    total = sum(counts.values())
+    assert f"the {total} cases run {3 * total} checks" in " ".join(text.split())
 
 
 @pytest.mark.slow

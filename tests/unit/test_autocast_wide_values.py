@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp._engine import _compat as compat
 from tests.helpers import rel_err
 
 F32 = jnp.dtype(jnp.float32)
@@ -181,6 +182,74 @@ def test_constants_beyond_the_range_are_not_saturated(scale):
     assert rel_err(grad_got, grad_want) <= 2 * rel_err(grad_hand, grad_want) + 1e-3
     muls = [e for e in jax.make_jaxpr(auto)(w, x).jaxpr.eqns if e.primitive.name == "mul"]
     assert [e.outvars[0].aval.dtype for e in muls] == [F32]
+
+
+def _selects(fun, *args):
+    # The select_n equations of fun's jaxpr, jit bodies included.
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "select_n":
+                yield eqn
+            for sub in compat.sub_closed_jaxprs(eqn):
+                yield from walk(sub.jaxpr)
+
+    return list(walk(jax.make_jaxpr(fun)(*args).jaxpr))
+
+
+def _masked(fill):
+    def masked(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.where(h > 0, h, -fill)
+
+    return masked
+
+
+def _scaled_in_a_jit(scale):
+    def scaled(w, x):
+        return jax.jit(lambda h, c: h * c)(jnp.tanh(x @ w), scale)
+
+    return scaled
+
+
+@pytest.mark.parametrize("use", [_masked, _scaled_in_a_jit])
+@pytest.mark.parametrize("factor", [1.5, 10.0])
+def test_constants_beyond_the_range_are_constants_inside_a_jit(use, factor):
+    # jnp.where's fill value reaches select_n as an argument of its jit, then
+    # broadcast: traced values inside. Saturated, a fill of 1.5x float16's max
+    # became 65504; the hand-cast program (float16 activation, float32 fill)
+    # selects in float32. A constant passed to the user's own jit is the same.
+    fun = use(np.float32(factor * 65504.0))
+
+    def loss(f):
+        return lambda w, x: jnp.mean(f(w, x) * x[:, :1])
+
+    w, x = _rng(13, 16, 16, scale=0.25), _rng(14, 8, 16)
+    auto = jaxamp.autocast(fun, "mixed_float16")
+    want, got = fun(w, x), jax.jit(auto)(w, x)
+    hand = _hand_cast(fun, jnp.float16, w, x)
+    assert got.dtype == F32 and hand.dtype == F32
+    assert rel_err(got, want) <= 2 * rel_err(hand, want) + 1e-6 < 1e-2
+    grad_want = jax.grad(loss(fun))(w, x)
+    grad_got = jax.jit(jax.grad(loss(auto)))(w, x)
+    grad_hand = jax.grad(loss(functools.partial(_hand_cast, fun, jnp.float16)))(w, x)
+    assert rel_err(grad_got, grad_want) <= 2 * rel_err(grad_hand, grad_want) + 1e-3
+    if use is _masked:
+        assert [e.outvars[0].aval.dtype for e in _selects(auto, w, x)] == [F32]
+
+
+def test_a_traced_fill_value_still_saturates():
+    # A fill that is an input (not a constant) cannot be looked at: it saturates
+    # to float16's largest value, the select stays in float16.
+    def masked(w, x, fill):
+        h = jnp.tanh(x @ w)
+        return jnp.where(h > 0, h, -fill)
+
+    w, x, fill = _rng(13, 16, 16, scale=0.25), _rng(14, 8, 16), jnp.float32(1e5)
+    auto = jaxamp.autocast(masked, "mixed_float16")
+    got = jax.jit(auto)(w, x, fill)
+    assert float(jnp.min(got)) == -65504.0
+    # (the where's select, and the saturating cast's own select inside it)
+    assert {e.outvars[0].aval.dtype for e in _selects(auto, w, x, fill)} == {np.dtype("float16")}
 
 
 @pytest.mark.parametrize("fill", [-1e9, float(jnp.finfo(jnp.float32).min)])

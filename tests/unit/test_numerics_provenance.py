@@ -141,6 +141,16 @@ def _fill(value):
     return loss
 
 
+def _mask_bias(value):
+    # An additive mask bias computed from the traced causal mask: a value autocast
+    # cannot look at, saturated into float16 (a constant fill selects in float32).
+    def loss(p, x):
+        s = _attention_scores(p, x)
+        return _block(p, x, s + jnp.where(_causal(), 0.0, value))
+
+    return loss
+
+
 def _dot_product_attention(p, x):
     q, k, v = ((x @ p[n]).reshape(1, T, HEADS, D // HEADS) for n in ("wq", "wk", "wv"))
     with jax.numpy_dtype_promotion("standard"):  # it promotes float16 logits itself
@@ -240,11 +250,14 @@ def test_causal_mask_and_a_later_overflow_blame_the_matmul(precision):
 
 def test_autocast_saturation_branch_is_internal_and_never_blamed():
     args, policy = PRECISIONS["autocast_float16"](*_params())
-    report = jaxamp.numerics_report(_fill(-1e9), *args, policy=policy, grad=True)
+    report = jaxamp.numerics_report(_mask_bias(-1e9), *args, policy=policy, grad=True)
     assert report.first_nonfinite is None and not report.absorbed
     internal_bad = [op for op in report.ops if op.internal and op.nonfinite]
     assert internal_bad and all(op.primitive == "convert_element_type" for op in internal_bad)
     assert not [op for op in report.ops if op.nonfinite and not op.internal]
+    # A constant fill is selected in float32: nothing non-finite, not even internally.
+    constant = jaxamp.numerics_report(_fill(-1e9), *args, policy=policy, grad=True)
+    assert not [op for op in constant.ops if op.nonfinite]
 
 
 def test_fp8_all_zero_group_scale_is_internal():
