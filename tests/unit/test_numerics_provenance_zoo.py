@@ -71,7 +71,8 @@ def _flax_attention():
     graphdef, state = nnx.split(layer)
 
     def loss(p, x):
-        out = nnx.merge(graphdef, p["attention"])(x[None], mask=_causal()[None, None])
+        with jax.numpy_dtype_promotion("standard"):  # as the library is written
+            out = nnx.merge(graphdef, p["attention"])(x[None], mask=_causal()[None, None])
         return jnp.mean((out[0] @ p["w_up"]) ** 2)
 
     return loss, {"attention": jax.tree.map(jnp.asarray, state)}
@@ -89,7 +90,8 @@ def _haiku_attention():
     params = model.init(jax.random.key(1), jnp.zeros((T, D)))
 
     def loss(p, x):
-        out = model.apply(p["attention"], x)
+        with jax.numpy_dtype_promotion("standard"):
+            out = model.apply(p["attention"], x)
         return jnp.mean((out @ p["w_up"]) ** 2)
 
     return loss, {"attention": params}
@@ -102,7 +104,8 @@ def _equinox_attention():
     params, static = eqx.partition(layer, eqx.is_array)
 
     def loss(p, x):
-        out = eqx.combine(p["attention"], static)(x, x, x, mask=_causal())
+        with jax.numpy_dtype_promotion("standard"):
+            out = eqx.combine(p["attention"], static)(x, x, x, mask=_causal())
         return jnp.mean((out @ p["w_up"]) ** 2)
 
     return loss, {"attention": params}
@@ -124,11 +127,17 @@ def _case(precision, params, x):
 _CI = {("flax_nnx", "autocast_float16"), ("where_padded", "hand_float16")}
 
 
+# Flax attends through jax.nn.dot_product_attention: XLA:CPU has no float16 dot
+# with a float32 result, so float16 Flax attention does not compile on the CPU.
+_LEFT_OUT = {("flax_nnx", "hand_float16")}
+
+
 def _params_of(names):
     return [
         pytest.param(name, precision, marks=() if (name, precision) in _CI else pytest.mark.slow)
         for name in names
         for precision in PRECISIONS
+        if (name, precision) not in _LEFT_OUT
     ]
 
 
