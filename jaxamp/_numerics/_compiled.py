@@ -12,6 +12,16 @@ When XLA rejects the program (a primitive whose float32 twin ``_retype`` could
 not retype correctly), it is traced again with every twin lowered on its own
 first (``_retype.checking_every_twin``): slower, and the twins that fail are
 dropped instead of failing the report.
+
+On the CPU the program is compiled without LLVM's optimizations
+(``CPU_COMPILER_OPTIONS``). The float32 shadow puts 16-bit and float32 arithmetic
+in the same fused loops, which the plain program never does, and LLVM's x86
+backend aborts the process (``LLVM ERROR: Cannot select: ...
+X86ISD::SUBV_BROADCAST_LOAD``, no exception to catch) on some of them once they
+are vectorized: on AVX-512 machines without AVX512-FP16 already
+``jnp.where(c * d > 0, a, 0.0) / a`` with float16 ``c`` (4x8) and ``d`` (4x1)
+does. Unoptimized code is never vectorized by LLVM; it compiles faster and runs
+slower, and a report runs its program once.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxamp._numerics._flow import SiteGraph
@@ -31,6 +42,8 @@ from jaxamp._numerics._types import NumericsReport
 __all__ = ["CACHE_SIZE", "Compiled", "cache_clear", "cache_key", "cached", "compile_with_fallback"]
 
 CACHE_SIZE = 32  # programs kept (least recently used dropped first)
+# XLA's options for compiling the program on the CPU (see the module docstring).
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 class Compiled(NamedTuple):
@@ -97,11 +110,12 @@ def compile_with_fallback(make: Callable[[], Callable], inputs: list) -> Callabl
     If XLA rejects it, ``make()`` is called again with every float32 twin lowered
     on its own first, and twins that fail restart from the real value.
     """
+    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
     try:
-        return make().lower(*inputs).compile()
+        return make().lower(*inputs).compile(options)
     except Exception as first:  # a twin XLA rejects: trace again, checking each one
         try:
             with checking_every_twin():
-                return make().lower(*inputs).compile()
+                return make().lower(*inputs).compile(options)
         except Exception:
             raise first from None
