@@ -284,6 +284,14 @@ def _with_callbacks(out: Any) -> Any:
 
 
 def table(results: list[dict[str, Any]]) -> str:
+    """The run table and the first-call table, for the rows a result file holds."""
+    runs = [r for r in results if "run_ratio" in r]
+    firsts = [r for r in results if "policy" in r]
+    parts = ([run_table(runs)] if runs else []) + ([first_call_table(firsts)] if firsts else [])
+    return "\n\n".join(parts)
+
+
+def run_table(results: list[dict[str, Any]]) -> str:
     headers = ["model", "params", "ops", "plain run ms", "report run ms", "run ratio"]
     headers += ["first call ratio", "again ratio", "monitor idle", "monitor fires"]
     rows = [
@@ -327,17 +335,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     names = ["smoke"] if args.smoke else (list(CONFIGS) if args.models is None else args.models)
     results = [measure(name, repeats) for name in names]
     if results:
-        print(table(results))
-    firsts = []
-    if args.first_calls:
+        print(run_table(results))
+    configs = {k: vars(c) for k, c in CONFIGS.items() if k in names + args.first_models}
+    config = {"policy": POLICY, "repeats": repeats, "configs": configs, "transformer": _TF}
+    config["first_repeats"] = args.first_repeats if args.first_calls else 0
+    firsts: list[dict[str, Any]] = []
+    if args.first_calls:  # saved after each pair: a full matrix takes an hour on 2 cores
         for model in args.first_models:
             for policy in args.policies or list(FIRST_CALL_POLICIES):
                 firsts.append(first_calls(model, policy, args.first_repeats))
                 print(first_call_table(firsts[-1:]), flush=True)
+                _harness.save(NAME, NAME, args, config, results + firsts)
         print(first_call_table(firsts))
-    configs = {k: vars(c) for k, c in CONFIGS.items() if k in names + args.first_models}
-    config = {"policy": POLICY, "repeats": repeats, "configs": configs, "transformer": _TF}
-    config["first_repeats"] = args.first_repeats if args.first_calls else 0
     return _harness.save(NAME, NAME, args, config, results + firsts)
 
 
