@@ -42,7 +42,11 @@ from jaxamp._numerics._types import NumericsReport
 __all__ = ["CACHE_SIZE", "Compiled", "cache_clear", "cache_key", "cached", "compile_with_fallback"]
 
 CACHE_SIZE = 32  # programs kept (least recently used dropped first)
-# XLA's options for compiling the program on the CPU (see the module docstring).
+# XLA's options for compiling the program on the CPU (see the module docstring):
+# LLVM's x86 vectorizer aborts on some mixed float16/float32 loops, and most of
+# the compile goes to LLVM's optimization of many small kernels while the report
+# runs its program once per batch (BENCHMARKS.md, "numerics_report": about 40%
+# less compile time, the run about twice as long).
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
@@ -104,13 +108,18 @@ def cache_clear() -> None:
         _CACHE.clear()
 
 
+def compiler_options(platform: str) -> dict | None:
+    """The XLA options the report compiles its program with on ``platform``."""
+    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+
+
 def compile_with_fallback(make: Callable[[], Callable], inputs: list) -> Callable:
     """``make()`` is a ``jax.jit``-ed program: lowered and compiled for ``inputs``.
 
     If XLA rejects it, ``make()`` is called again with every float32 twin lowered
     on its own first, and twins that fail restart from the real value.
     """
-    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
+    options = compiler_options(jax.default_backend())
     try:
         return make().lower(*inputs).compile(options)
     except Exception as first:  # a twin XLA rejects: trace again, checking each one

@@ -33,15 +33,8 @@ from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._engine._visit import sub_path
 from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
 from jaxamp._numerics._sites import Site, site_key
-from jaxamp._numerics._stats import (
-    EMPTY,
-    NONFINITE,
-    accumulate,
-    moved,
-    pack,
-    reduce_output,
-    unpack_row,
-)
+from jaxamp._numerics._stats import Elements
+from jaxamp._numerics._table import Ref, Scope, empty_table
 
 __all__ = ["Recorder", "all_finite_flag", "instrumented"]
 
@@ -52,21 +45,26 @@ def all_finite_flag(x: Any) -> Any:
     return jnp.all(jnp.isfinite(x))
 
 
-def _and_all(flags: Sequence[Any]) -> Any:
-    out = jnp.bool_(True)
-    for flag in flags:
-        out = jnp.logical_and(out, flag)
-    return out
-
-
 def _lift(const: Any) -> Val:
     # Behind a barrier, statistics of constants (masks, broadcast literals) run at run
     # time: XLA would otherwise constant-fold their reductions, slowly, at compile time.
     dtype = getattr(const, "dtype", None)
-    born_here = _rounded_to_nonfinite(const)
+    finite = True if _rounded_to_nonfinite(const) else _host_finite(const)
     if dtype is not None and (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
         const = jax.lax.optimization_barrier(jnp.asarray(const))
-    return Val(const, jnp.bool_(True) if born_here else all_finite_flag(const))
+    return Val(const, finite)
+
+
+def _host_finite(const: Any) -> Any:
+    """Whether a constant is all finite, decided while tracing (no reduction to compile)."""
+    if not is_floating(const):
+        return True
+    if isinstance(const, jax.core.Tracer):
+        return all_finite_flag(const)
+    try:
+        return bool(np.all(np.isfinite(np.asarray(const).astype(np.float64))))
+    except (TypeError, jax.errors.TracerArrayConversionError):
+        return all_finite_flag(const)
 
 
 def _rounded_to_nonfinite(const: Any) -> bool:
@@ -101,38 +99,40 @@ _SAME_VALUES = frozenset(
 )
 
 
-def _reused_stats(eqn, ins: Sequence[Val], outs: Sequence[Any]) -> Any:
-    """The input's statistics for a value-preserving primitive, else None (measure)."""
-    if eqn.primitive.name not in _SAME_VALUES or len(outs) != 1 or ins[0].stats is None:
+def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], scope: Scope) -> Any:
+    """``(Ref, repeat)`` of the input's measurement for a value-preserving primitive
+    (its statistics pass on), else None (measure)."""
+    stats = ins[0].stats if ins else None
+    if eqn.primitive.name not in _SAME_VALUES or len(outs) != 1 or stats is None:
+        return None
+    if stats.scope is not scope:
         return None
     source, out = ins[0].value, outs[0]
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
-    return moved(ins[0].stats, np.int32(max(out.size, 1) // max(source.size, 1)))
+    return stats, max(out.size, 1) // max(source.size, 1)
 
 
 class Recorder:
-    """Evaluates a jaxpr and accumulates ``Stat`` for every site it passes."""
+    """Evaluates a jaxpr, measuring every site it passes into a ``Scope``.
 
-    def __init__(self, sites: dict[tuple, Site], stats: dict, clock: Any, iteration: Any):
+    ``clock`` is ``(base, offset)``: a traced count (after a loop) or 0, plus the
+    equations evaluated since, counted in Python.
+    """
+
+    def __init__(self, sites: dict[tuple, Site], scope: Scope, clock: Any, reached: set):
         self.sites = sites
-        self.stats = stats
-        self.clock = clock
-        self.iteration = iteration
+        self.scope = scope
+        self.clock = (clock, 0)
+        self.reached = reached  # the sites measured so far (shared with nested bodies)
 
-    # -- packing the statistics of some sites into loop carries -------------------
-    def pack(self, keys: Sequence[tuple]) -> tuple[Any, Any]:
-        return pack([self.stats.get(key, EMPTY) for key in keys])
-
-    def unpack(self, keys: Sequence[tuple], packed: tuple[Any, Any]) -> None:
-        floats, ints = packed
-        for row, key in enumerate(keys):
-            self.stats[key] = unpack_row(floats[row], ints[row])
+    def now(self) -> Any:
+        """The clock as one (traced) int32."""
+        base, offset = self.clock
+        return jnp.asarray(base, jnp.int32) + offset
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
-        sub = Recorder(self.sites, {}, clock, iteration)
-        sub.unpack(keys, packed)
-        return sub
+        return Recorder(self.sites, Scope(keys, packed, iteration), clock, self.reached)
 
     def keys_under(self, prefix: tuple) -> list[tuple]:
         return [key for key in self.sites if key[0][: len(prefix)] == prefix]
@@ -151,12 +151,12 @@ class Recorder:
         return rule(self, eqn, ins, path, index)
 
     def measure(self, eqn, ins: Sequence[Val], path, index) -> list[Val]:
-        inputs_finite = _and_all([v.finite for v in ins])
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
         if not ins:  # iota and friends: constants too (see _lift)
             outs = list(jax.lax.optimization_barrier(outs))
         shadows = shadow_outputs(eqn, ins, outs)
         locals_ = local_twins(eqn, ins, outs, shadows)
+        inputs = [self.flag_of(v) for v in ins]
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
             key = site_key(path, index, k)
@@ -165,12 +165,25 @@ class Recorder:
                     raise _unmeasured(eqn, key)
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
-            stats = _reused_stats(eqn, ins, outs) or reduce_output(out, shadow, locals_[k])
-            old = self.stats.get(key, EMPTY)
-            self.stats[key] = accumulate(old, stats, inputs_finite, self.clock, self.iteration)
-            vals.append(Val(out, stats[NONFINITE] == 0, shadow, stats))
-        self.clock = self.clock + 1
+            moved = _moved_from(eqn, ins, outs, self.scope)
+            elements = None if moved else Elements(out, shadow, locals_[k])
+            ref = self.scope.add(key, elements, moved, inputs, self.clock)
+            self.reached.add(key)
+            vals.append(Val(out, ref, shadow, ref))
+        self.clock = (self.clock[0], self.clock[1] + 1)
         return vals
+
+    def flag_of(self, val: Val) -> Any:
+        """``val.finite`` as this scope can use it: a ``Ref`` of another scope (a loop
+        constant, a cond operand) is measured again here."""
+        if isinstance(val.finite, Ref) and val.finite.scope is not self.scope:
+            return all_finite_flag(val.value)
+        return val.finite
+
+    def finished(self, vals: Sequence[Val]) -> list[Any]:
+        """Flushes the scope; each value's finite flag, traced."""
+        self.scope.flush()
+        return [jnp.asarray(self.scope.flag(v.finite)) for v in vals]
 
 
 def _unmeasured(eqn, key) -> RuntimeError:
@@ -199,18 +212,25 @@ def _shadows(vals: Sequence[Val]) -> list[Any]:
     return [materialize(v) for v in vals]
 
 
+def _outer(rec: Recorder, vals: Sequence[Val]) -> list[Val]:
+    """Values entering a nested body: their finite flags no longer pending here."""
+    return [Val(v.value, rec.flag_of(v), v.shadow) for v in vals]
+
+
 def _handle_loop(rec: Recorder, eqn, ins, path, index):
     loop = control.loop_of(eqn, ins)
     body_path = sub_path(path, index)
     keys = rec.keys_under(body_path)
+    consts = [Val(v.value, all_finite_flag(v.value), v.shadow) for v in loop.consts]
 
     def body(carry, xs):
         values, shadows, packed, clock, iteration = carry
         sub = rec.child(keys, packed, clock, iteration)
-        args = [*loop.consts, *_vals(values, shadows), *_vals(*xs)]
+        args = [*consts, *_vals(values, shadows), *_vals(*xs)]
         outs = sub.run(loop.body, args, body_path)
+        sub.finished([])
         carried, ys = outs[: loop.n_carry], outs[loop.n_carry :]
-        new = (_values(carried), _shadows(carried), sub.pack(keys), sub.clock, iteration + 1)
+        new = (_values(carried), _shadows(carried), sub.scope.rows(keys), sub.now(), iteration + 1)
         return new, (_values(ys), _shadows(ys))
 
     def cond(carry):
@@ -218,11 +238,12 @@ def _handle_loop(rec: Recorder, eqn, ins, path, index):
         args = [*_values(loop.cond_consts), *carry[0]]
         return eval_jaxpr(loop.cond, args, compat.bind_eqn)[0]
 
-    carry0 = (_values(loop.carry), _shadows(loop.carry), rec.pack(keys), rec.clock, jnp.int32(0))
+    carry0 = (_values(loop.carry), _shadows(loop.carry), rec.scope.rows(keys), rec.now())
+    carry0 = (*carry0, jnp.int32(0))
     xs = (_values(loop.xs), _shadows(loop.xs))
     (values, shadows, packed, clock, _), ys = loop.rebuild(body, carry0, xs, cond)
-    rec.unpack(keys, packed)
-    rec.clock = clock
+    rec.scope.set_rows(keys, packed)
+    rec.clock = (clock, 0)
     return [*_vals(values, shadows), *_vals(*ys)]
 
 
@@ -233,26 +254,26 @@ def _handle_cond(rec: Recorder, eqn, ins, path, index):
 
     def make(body, body_path):
         def fun(packed, clock, values, flags, shadows):
-            sub = rec.child(keys, packed, clock, rec.iteration)
+            sub = rec.child(keys, packed, clock, rec.scope.iteration)
             args = [Val(*v) for v in zip(values, flags, shadows, strict=True)]
             outs = sub.run(body, args, body_path)
-            flags = [v.finite for v in outs]
-            return _values(outs), flags, _shadows(outs), sub.pack(keys), sub.clock
+            flags = sub.finished(outs)
+            return _values(outs), flags, _shadows(outs), sub.scope.rows(keys), sub.now()
 
         return fun
 
-    operands = branch.operands
+    operands = _outer(rec, branch.operands)
     values, flags, shadows, packed, clock = branch.rebuild(
         branch.index.value,
         [make(body, body_path) for body, body_path in zip(branch.branches, paths, strict=True)],
-        rec.pack(keys),
-        rec.clock,
+        rec.scope.rows(keys),
+        rec.now(),
         _values(operands),
         [jnp.asarray(v.finite) for v in operands],
         _shadows(operands),
     )
-    rec.unpack(keys, packed)
-    rec.clock = clock
+    rec.scope.set_rows(keys, packed)
+    rec.clock = (clock, 0)
     return [Val(*v) for v in zip(values, flags, shadows, strict=True)]
 
 
@@ -269,15 +290,17 @@ def instrumented(closed, sites: Sequence[Site]) -> Callable:
     keys = list(by_key)
 
     def run(*args):
-        rec = Recorder(by_key, {}, jnp.int32(0), jnp.int32(-1))
+        scope = Scope(keys, empty_table(len(keys)), jnp.int32(-1))
+        rec = Recorder(by_key, scope, 0, set())
         rec.run(closed, _vals(args, [None] * len(args)), ())
-        missing = [key for key in keys if key not in rec.stats]
+        rec.finished([])
+        missing = [key for key in keys if key not in rec.reached]
         if missing:
             raise RuntimeError(
                 f"numerics_report: the evaluation never reached the sites {missing}; the "
                 "catalog and the instrumented evaluation disagree. Please report this as "
                 "a jaxamp bug."
             )
-        return rec.pack(keys)
+        return scope.floats, scope.ints
 
     return jax.jit(run)

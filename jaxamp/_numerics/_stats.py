@@ -87,9 +87,11 @@ class Elements:
 
     @functools.cached_property
     def underflow(self) -> Any:
-        """1 where *this* op flushed: zero/subnormal here, normal in the twin and locally."""
+        """1 where *this* op flushed: zero/subnormal here, normal in the twin and locally.
+
+        None (all zero) without a twin: the output is what float32 would compute."""
         if self.shadow is None:
-            return jnp.zeros(self.out.shape, jnp.int32)
+            return None
         if self.local is None:
             return self._lost_here.astype(jnp.int32)
         return jnp.logical_and(self._lost_here, _normal32(self.local)).astype(jnp.int32)
@@ -103,7 +105,7 @@ class Elements:
     def saturated(self) -> Any:
         """1 where a float8 value sits at its dtype's max: clipped there by a saturating cast."""
         if np.dtype(self.out.dtype).itemsize != 1:
-            return jnp.zeros(self.out.shape, jnp.int32)
+            return None  # all zero: only float8 casts saturate
         return (self.magnitude >= np.float32(jnp.finfo(self.out.dtype).max)).astype(jnp.int32)
 
 
@@ -136,7 +138,7 @@ class Statistic(NamedTuple):
 
     name: str
     dtype: np.dtype  # float32 (a magnitude) or int32 (a count)
-    element: Callable[[Elements], Any]  # the per-element map
+    element: Callable[[Elements], Any]  # the per-element map; None: all zero (not reduced)
     combine: Callable[[Any, Any], Any]  # associative and commutative: max or sum
     initial: Any  # the identity of ``combine`` on the values (before anything ran)
     # (the input's statistic, how often each value repeats) -> the output's, for an
@@ -202,13 +204,19 @@ def reduce_output(out: Any, shadow: Any = None, local: Any = None) -> tuple[Any,
     proportion.
     """
     elements = Elements(out, shadow, local)
-    operands = tuple(s.element(elements) for s in STATISTICS)
+    operands = tuple(_map_of(s, elements) for s in STATISTICS)
     initial = tuple(s.dtype.type(s.initial) for s in STATISTICS)
 
     def combine(a, b):
         return tuple(s.combine(x, y) for s, x, y in zip(STATISTICS, a, b, strict=True))
 
     return tuple(jax.lax.reduce(operands, initial, combine, tuple(range(out.ndim))))
+
+
+def _map_of(stat: Statistic, elements: Elements) -> Any:
+    """The statistic's per-element map (a map of None is all zero)."""
+    mapped = stat.element(elements)
+    return jnp.zeros(elements.out.shape, stat.dtype) if mapped is None else mapped
 
 
 def moved(stats: Sequence[Any], repeat: Any) -> tuple[Any, ...]:
