@@ -126,9 +126,6 @@ def warn_unhonoured_wire_dtypes(policy: Policy, values: list, autocast_of: str =
     (under ``jax.jit`` only ``gather_dtype`` cannot).
     """
     by_cast = not autocast_of
-    program = _partitioned_or_manual(values)
-    if program is None or (program == "shard_map" and not by_cast):
-        return
     compute = np.dtype(policy.compute_dtype)
     wrong, accept = [], "policy"
     if np.dtype(policy.gather_dtype) != compute:
@@ -145,6 +142,9 @@ def warn_unhonoured_wire_dtypes(policy: Policy, values: list, autocast_of: str =
         )
         accept += f".with_reduce_dtype({compute.name!r})"
     if not wrong:
+        return  # checked first: most policies never look at the trace's mesh
+    program = _partitioned_or_manual(values)
+    if program is None or (program == "shard_map" and not by_cast):
         return
     who = "policy.cast_to_compute" if by_cast else f"jaxamp.autocast({autocast_of})"
     if program == "shard_map":

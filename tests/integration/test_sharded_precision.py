@@ -15,11 +15,11 @@ JSON; the tests assert on it.
 import collections
 import functools
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import run_with_devices
 
 N_DEVICES = 8
 
@@ -267,21 +267,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N_DEVICES}"
-    env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_with_devices(__file__, N_DEVICES, timeout=600)
 
 
 @pytest.mark.parametrize("model", ["gpt", "nnx", "equinox"])

@@ -6,9 +6,8 @@ prints its measurements as JSON and the test asserts on them.
 """
 
 import json
-import os
-import subprocess
-import sys
+
+from tests.helpers import run_with_devices
 
 N_DEVICES = 8
 STEPS = 5
@@ -184,19 +183,7 @@ def _worker() -> dict:
 
 
 def test_many_devices_skip_together_and_match_one_device():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N_DEVICES}"
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_with_devices(__file__, N_DEVICES, timeout=240)
 
     assert out["batch_devices"] == N_DEVICES
     # Only device 5 saw the inf; alone it would skip and the others would not.
