@@ -14,6 +14,7 @@ from jaxamp._engine._trace import ARRAY_TYPES
 __all__ = [
     "F32",
     "INTERNAL_SCOPE",
+    "QUANTIZE_SCOPE",
     "canonical_float_dtype",
     "cast_floating",
     "is_floating",
@@ -27,6 +28,9 @@ F32 = np.dtype(np.float32)
 # a saturating cast, an FP8 scale of an all-zero group): numerics_report marks them
 # ``internal`` and never blames them, whatever they hold.
 INTERNAL_SCOPE = "jaxamp_internal"
+# The name scope of an FP8 quantization (amax, scale, scaled saturating cast):
+# numerics_report measures it as one op, its float8 output, not each of its steps.
+QUANTIZE_SCOPE = "jaxamp_quantize"
 
 # Leaves whose dtype casting may change: arrays (the engine's ARRAY_TYPES, tracers
 # included) and the avals of jax.eval_shape.

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxamp._casting import F32, INTERNAL_SCOPE
+from jaxamp._casting import F32, INTERNAL_SCOPE, QUANTIZE_SCOPE
 from jaxamp._fp8._scalings import KINDS, Groups, scaling_named
 
 __all__ = ["Groups", "groups_for", "quantize", "scale_from_amax", "scaled_product"]
@@ -90,7 +90,15 @@ def quantize(
     shorter than a block is one block, unpadded. ``amax``: the amax of the
     whole operand, computed beforehand (tensorwise groups only; the fused
     weight amaxes of ``_scales``).
+
+    It runs in ``QUANTIZE_SCOPE``: ``numerics_report`` measures a quantization
+    as one op, by its float8 output.
     """
+    with jax.named_scope(QUANTIZE_SCOPE):
+        return _quantize(x, dtype, groups, power_of_two, amax)
+
+
+def _quantize(x, dtype, groups, power_of_two, amax):
     x = x.astype(F32)
     b, p, c = x.shape
     block = min(groups.block or c, c)

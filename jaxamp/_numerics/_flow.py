@@ -45,11 +45,20 @@ class SiteGraph(NamedTuple):
     returned: frozenset  # the keys of the sites whose values are program outputs
 
 
-def site_graph(closed: jex.ClosedJaxpr) -> SiteGraph:
-    """The site graph of ``closed``, keyed as the catalog keys its sites (``site_key``)."""
-    reads: dict = {}
-    outs = _flow(closed.jaxpr, [_NONE] * len(closed.jaxpr.invars), (), reads)
-    return SiteGraph(reads, frozenset().union(*outs))
+class _Walk(NamedTuple):
+    reads: dict  # what ``SiteGraph.reads`` becomes
+    sites: frozenset | None  # the catalog's keys (None: every floating output)
+
+
+def site_graph(closed: jex.ClosedJaxpr, sites: Iterable[tuple] | None = None) -> SiteGraph:
+    """The site graph of ``closed``, keyed as the catalog keys its sites (``site_key``).
+
+    ``sites``: the catalog's keys; a floating output that is not one (a step of an
+    FP8 quantization, ``_sites.is_quantize_step``) passes on the sites it read.
+    """
+    walk = _Walk({}, None if sites is None else frozenset(sites))
+    outs = _flow(closed.jaxpr, [_NONE] * len(closed.jaxpr.invars), (), walk)
+    return SiteGraph(walk.reads, frozenset().union(*outs))
 
 
 def reaching(graph: SiteGraph, nonfinite: Callable[[tuple], bool]) -> set:
@@ -69,7 +78,7 @@ def _union(sources: Iterable[frozenset]) -> frozenset:
     return frozenset().union(*sources)
 
 
-def _flow(jaxpr: jex.Jaxpr, ins: Sequence[frozenset], path: tuple, reads: dict) -> list:
+def _flow(jaxpr: jex.Jaxpr, ins: Sequence[frozenset], path: tuple, walk: _Walk) -> list:
     # Per variable: the sites whose values it holds (directly or through calls,
     # loop carries and branch outputs, which are not sites themselves).
     env = dict(zip(jaxpr.invars, ins, strict=True))
@@ -79,12 +88,12 @@ def _flow(jaxpr: jex.Jaxpr, ins: Sequence[frozenset], path: tuple, reads: dict) 
 
     for index, eqn in enumerate(jaxpr.eqns):
         rule = _RULES.get(eqn.primitive.name, _flow_op)
-        outs = rule(eqn, [read(atom) for atom in eqn.invars], path, index, reads)
+        outs = rule(eqn, [read(atom) for atom in eqn.invars], path, index, walk)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(atom) for atom in jaxpr.outvars]
 
 
-def _flow_op(eqn, ins, path, index, reads) -> list:
+def _flow_op(eqn, ins, path, index, walk: _Walk) -> list:
     fed = _union(ins)
     outs = []
     for k, var in enumerate(eqn.outvars):
@@ -93,31 +102,34 @@ def _flow_op(eqn, ins, path, index, reads) -> list:
             outs.append(_NONE)  # an integer or bool value holds no inf/NaN
             continue
         key = site_key(path, index, k)
-        reads[key] = reads.get(key, _NONE) | fed
+        if walk.sites is not None and key not in walk.sites:
+            outs.append(fed)  # a step of a quantization: its value holds what it read
+            continue
+        walk.reads[key] = walk.reads.get(key, _NONE) | fed
         outs.append(frozenset({key}))
     return outs
 
 
-def _flow_call(eqn, ins, path, index, reads) -> list:
-    return _flow(control.call_of(eqn).body.jaxpr, ins, sub_path(path, index), reads)
+def _flow_call(eqn, ins, path, index, walk: _Walk) -> list:
+    return _flow(control.call_of(eqn).body.jaxpr, ins, sub_path(path, index), walk)
 
 
-def _flow_loop(eqn, ins, path, index, reads) -> list:
+def _flow_loop(eqn, ins, path, index, walk: _Walk) -> list:
     loop = control.loop_of(eqn, ins)
     body_path = sub_path(path, index)
     carry = list(loop.carry)
     while True:  # the sources only grow, and there are finitely many sites
-        outs = _flow(loop.body.jaxpr, [*loop.consts, *carry, *loop.xs], body_path, reads)
+        outs = _flow(loop.body.jaxpr, [*loop.consts, *carry, *loop.xs], body_path, walk)
         grown = [a | b for a, b in zip(carry, outs[: loop.n_carry], strict=True)]
         if grown == carry:
             return [*carry, *outs[loop.n_carry :]]
         carry = grown
 
 
-def _flow_cond(eqn, ins, path, index, reads) -> list:
+def _flow_cond(eqn, ins, path, index, walk: _Walk) -> list:
     branch = control.branch_of(eqn, ins)
     outs = [
-        _flow(body.jaxpr, branch.operands, sub_path(path, index, b), reads)
+        _flow(body.jaxpr, branch.operands, sub_path(path, index, b), walk)
         for b, body in enumerate(branch.branches)
     ]
     return [_union(sources) for sources in zip(*outs, strict=True)]

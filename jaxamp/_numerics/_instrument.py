@@ -32,7 +32,7 @@ from jaxamp._engine import _control as control
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._engine._visit import sub_path
 from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
-from jaxamp._numerics._sites import Site, site_key
+from jaxamp._numerics._sites import Site, in_quantization, is_quantize_step, site_key
 from jaxamp._numerics._stats import Elements
 from jaxamp._numerics._table import Ref, Scope, empty_table
 
@@ -113,6 +113,10 @@ def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], scope: Scope) -> A
     return stats, max(out.size, 1) // max(source.size, 1)
 
 
+class AllFinite(tuple):
+    """The finite flag of an unmeasured value: all of these flags (its inputs')."""
+
+
 class Recorder:
     """Evaluates a jaxpr, measuring every site it passes into a ``Scope``.
 
@@ -120,11 +124,14 @@ class Recorder:
     equations evaluated since, counted in Python.
     """
 
-    def __init__(self, sites: dict[tuple, Site], scope: Scope, clock: Any, reached: set):
+    def __init__(
+        self, sites: dict[tuple, Site], scope: Scope, clock: Any, reached: set, quantizing=False
+    ):
         self.sites = sites
         self.scope = scope
         self.clock = (clock, 0)
         self.reached = reached  # the sites measured so far (shared with nested bodies)
+        self.quantizing = quantizing  # inside an FP8 quantization (``_sites.in_quantization``)
 
     def now(self) -> Any:
         """The clock as one (traced) int32."""
@@ -132,7 +139,8 @@ class Recorder:
         return jnp.asarray(base, jnp.int32) + offset
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
-        return Recorder(self.sites, Scope(keys, packed, iteration), clock, self.reached)
+        scope = Scope(keys, packed, iteration)
+        return Recorder(self.sites, scope, clock, self.reached, self.quantizing)
 
     def keys_under(self, prefix: tuple) -> list[tuple]:
         return [key for key in self.sites if key[0][: len(prefix)] == prefix]
@@ -151,12 +159,14 @@ class Recorder:
         return rule(self, eqn, ins, path, index)
 
     def measure(self, eqn, ins: Sequence[Val], path, index) -> list[Val]:
+        if is_quantize_step(eqn, self.quantizing):
+            return self.unmeasured(eqn, ins)
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
         if not ins:  # iota and friends: constants too (see _lift)
             outs = list(jax.lax.optimization_barrier(outs))
         shadows = shadow_outputs(eqn, ins, outs)
         locals_ = local_twins(eqn, ins, outs, shadows)
-        inputs = [self.flag_of(v) for v in ins]
+        inputs = [flag for v in ins for flag in self.flags_of(v)]
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
             key = site_key(path, index, k)
@@ -173,17 +183,45 @@ class Recorder:
         self.clock = (self.clock[0], self.clock[1] + 1)
         return vals
 
-    def flag_of(self, val: Val) -> Any:
-        """``val.finite`` as this scope can use it: a ``Ref`` of another scope (a loop
-        constant, a cond operand) is measured again here."""
-        if isinstance(val.finite, Ref) and val.finite.scope is not self.scope:
+    def unmeasured(self, eqn, ins: Sequence[Val]) -> list[Val]:
+        """A step of an FP8 quantization (``_sites.is_quantize_step``): run as written,
+        not measured. Its outputs count as finite when its inputs are (the float8
+        output is measured, and blamed for an inf/NaN the steps make), and their
+        shadow restarts from the value: the quantization's float8 output is compared
+        with the scaled operand it rounds, and computing the steps again in float32
+        cost a fifth of the FP8 program's compile (BENCHMARKS.md, "numerics_report")."""
+        outs = compat.bind_eqn(eqn, [v.value for v in ins])
+        flags = AllFinite(tuple(flag for v in ins for flag in self.flags_of(v)))
+        self.clock = (self.clock[0], self.clock[1] + 1)
+        return [Val(out, flags) for out in outs]
+
+    def flags_of(self, val: Val) -> list[Any]:
+        """``val.finite`` as flags this scope can use: a ``Ref`` of another scope (a
+        loop constant, a cond operand) is measured again here."""
+        finite = val.finite
+        flags = list(finite) if isinstance(finite, AllFinite) else [finite]
+        if any(isinstance(f, Ref) and f.scope is not self.scope for f in flags):
+            return [all_finite_flag(val.value)]
+        return flags
+
+    def entering(self, val: Val) -> Any:
+        """``val.finite`` as one traced bool now, for a nested body (a cond's operand):
+        a measurement still pending in this scope is measured again."""
+        flags = self.flags_of(val)
+        if any(isinstance(f, Ref) for f in flags):
             return all_finite_flag(val.value)
-        return val.finite
+        return jnp.all(jnp.asarray([jnp.asarray(f) for f in flags] or [True]))
 
     def finished(self, vals: Sequence[Val]) -> list[Any]:
         """Flushes the scope; each value's finite flag, traced."""
         self.scope.flush()
-        return [jnp.asarray(self.scope.flag(v.finite)) for v in vals]
+        return [self.traced_flag(v.finite) for v in vals]
+
+    def traced_flag(self, finite: Any) -> Any:
+        """A finite flag (or ``AllFinite`` of them) as one traced bool, after the flush."""
+        if isinstance(finite, AllFinite):
+            return jnp.all(jnp.stack([self.traced_flag(f) for f in finite] or [jnp.bool_(True)]))
+        return jnp.asarray(self.scope.flag(finite))
 
 
 def _unmeasured(eqn, key) -> RuntimeError:
@@ -197,7 +235,12 @@ def _unmeasured(eqn, key) -> RuntimeError:
 
 
 def _run_call(rec: Recorder, eqn, ins, path, index):
-    return rec.run(control.call_of(eqn).body, ins, sub_path(path, index))
+    outer = rec.quantizing
+    rec.quantizing = in_quantization(eqn, outer)
+    try:
+        return rec.run(control.call_of(eqn).body, ins, sub_path(path, index))
+    finally:
+        rec.quantizing = outer
 
 
 def _vals(values: Sequence[Any], shadows: Sequence[Any]) -> list[Val]:
@@ -214,7 +257,7 @@ def _shadows(vals: Sequence[Val]) -> list[Any]:
 
 def _outer(rec: Recorder, vals: Sequence[Val]) -> list[Val]:
     """Values entering a nested body: their finite flags no longer pending here."""
-    return [Val(v.value, rec.flag_of(v), v.shadow) for v in vals]
+    return [Val(v.value, rec.entering(v), v.shadow) for v in vals]
 
 
 def _handle_loop(rec: Recorder, eqn, ins, path, index):
@@ -269,7 +312,7 @@ def _handle_cond(rec: Recorder, eqn, ins, path, index):
         rec.scope.rows(keys),
         rec.now(),
         _values(operands),
-        [jnp.asarray(v.finite) for v in operands],
+        [v.finite for v in operands],
         _shadows(operands),
     )
     rec.scope.set_rows(keys, packed)

@@ -75,7 +75,12 @@ class NumericsProgram:
     def traced(self, inputs: list) -> Compiled:
         """The instrumented program as a function to trace into a caller's program."""
         closed, sites = self.catalogued(inputs)
-        return Compiled(_measuring(closed, sites), sites, self.paths(), site_graph(closed))
+        return Compiled(
+            _measuring(closed, sites),
+            sites,
+            self.paths(),
+            site_graph(closed, (site.key for site in sites)),
+        )
 
     def compiled(self, inputs: list) -> Compiled:
         """The instrumented program compiled for ``inputs``, cached across calls."""
@@ -84,7 +89,9 @@ class NumericsProgram:
             closed, sites = self.catalogued(inputs)
             # A fresh jit per attempt: the fallback traces it again, checking every twin.
             run = compile_with_fallback(lambda: jax.jit(_measuring(closed, sites)), inputs)
-            return Compiled(run, sites, self.paths(), site_graph(closed))
+            return Compiled(
+                run, sites, self.paths(), site_graph(closed, (site.key for site in sites))
+            )
 
         return cached(self.cache_key(), build)
 

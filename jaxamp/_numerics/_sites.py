@@ -36,12 +36,21 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import INTERNAL_SCOPE
+from jaxamp._casting import INTERNAL_SCOPE, QUANTIZE_SCOPE
 from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 from jaxamp._engine._visit import sub_path
 
-__all__ = ["PHASES", "Site", "catalog", "site_key", "user_frame", "user_source"]
+__all__ = [
+    "PHASES",
+    "Site",
+    "catalog",
+    "in_quantization",
+    "is_quantize_step",
+    "site_key",
+    "user_frame",
+    "user_source",
+]
 
 
 def site_key(path: tuple, index: int, output: int) -> tuple:
@@ -137,6 +146,7 @@ class _Where(NamedTuple):
     live_outs: list[int]  # per output of this jaxpr: the rank of the strongest phase needing it
     dead: str | None = None  # the phase of dead code (None: by its data flow)
     caller: str | None = None  # the user line of the equation whose body this is
+    quantizing: bool = False  # inside an FP8 quantization (``in_quantization``)
 
 
 def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[int]) -> list[list[int]]:
@@ -191,6 +201,8 @@ def _visit_eqn(eqn, ins, where: _Where, index, sites) -> list[bool]:
 def _visit_op(eqn, ins, where: _Where, index, sites) -> list[bool]:
     """A measured equation: one site per floating output."""
     scaled = scaled_outputs(eqn, ins)
+    if is_quantize_step(eqn, where.quantizing):
+        return scaled
     phase = _phase(where, any(scaled))
     for k, var in enumerate(eqn.outvars):
         dtype = getattr(var.aval, "dtype", None)
@@ -228,6 +240,32 @@ def _is_internal(eqn: jex.JaxprEqn) -> bool:
     )
 
 
+def in_quantization(eqn: jex.JaxprEqn, quantizing: bool) -> bool:
+    """Whether ``eqn`` is part of an FP8 quantization (``QUANTIZE_SCOPE``).
+
+    ``quantizing``: the body holding ``eqn`` is (the name scope is on the call
+    of a jitted helper such as ``jnp.clip``, not on the equations of its body).
+    """
+    return quantizing or QUANTIZE_SCOPE in str(eqn.source_info.name_stack)
+
+
+def is_quantize_step(eqn: jex.JaxprEqn, quantizing: bool) -> bool:
+    """A step of an FP8 quantization other than its float8 result: not a site.
+
+    A quantization is measured as one op, by its float8 output (magnitude,
+    saturation, what fell below float8's range); its amax, scale and clipping are
+    not measured. On the FP8 transformer of BENCHMARKS.md they were about two
+    thirds of the sites, and so of the instrumented program's compile.
+    """
+    if not in_quantization(eqn, quantizing):
+        return False
+    return not any(_is_float8_var(var) for var in eqn.outvars)
+
+
+def _is_float8_var(var) -> bool:
+    return _is_floating_var(var) and np.dtype(var.aval.dtype).itemsize == 1
+
+
 # Primitives whose output i is operand i (grouped only to order them): the barrier
 # autocast puts around a matmul's operands pairs a cotangent with forward values.
 _PER_OPERAND = frozenset({"optimization_barrier"})
@@ -253,7 +291,9 @@ def _is_floating_var(var) -> bool:
 
 
 def _visit_call(eqn, ins, where: _Where, index, sites) -> list[bool]:
-    inner = where._replace(path=sub_path(where.path, index))
+    inner = where._replace(
+        path=sub_path(where.path, index), quantizing=in_quantization(eqn, where.quantizing)
+    )
     return _visit(control.call_of(eqn).body.jaxpr, ins, inner, sites)
 
 

@@ -206,6 +206,22 @@ def test_while_and_cond_aggregate_and_find_the_origin():
     assert report.first_nonfinite is thousand and thousand.source == _line("plant-cond")
 
 
+@pytest.mark.parametrize(("first", "origin"), [(300.0, "plant-operand"), (200.0, "plant-branch")])
+def test_a_cond_on_a_value_measured_in_the_same_body(first, origin):
+    def fun(x):
+        y = x * 300.0  # plant-operand
+        return jax.lax.cond(x[1] > 0, lambda a: a * 2.0, lambda a: a, y)  # plant-branch
+
+    # 300 * 300 overflows float16; 200 * 300 does not, and twice it does.
+    report = jaxamp.numerics_report(fun, jnp.array([first, 1.0], jnp.float16))
+    operand, branch = (
+        next(op for op in report.ops if op.source == _line(m) and op.primitive == "mul")
+        for m in ("plant-operand", "plant-branch")
+    )
+    assert (operand.nonfinite, branch.nonfinite) == ((1, 1) if first == 300.0 else (0, 1))
+    assert report.first_nonfinite is (operand if origin == "plant-operand" else branch)
+
+
 @jax.custom_vjp
 def _scaled_sin(x):
     return jnp.sin(x)
