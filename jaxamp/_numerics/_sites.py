@@ -229,7 +229,7 @@ _JAXAMP_DIR = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__fi
 def _is_internal(eqn: jex.JaxprEqn) -> bool:
     """jaxamp's own values: a barrier autocast inserted (autocast's matmul operands:
     moves values), or a value it computes and discards (``INTERNAL_SCOPE``: the
-    unclamped branch of a saturating cast, the FP8 scale of an all-zero group)."""
+    unclamped branch of a saturating cast)."""
     if INTERNAL_SCOPE in str(eqn.source_info.name_stack):
         return True
     frames = compat.source_frames(eqn)

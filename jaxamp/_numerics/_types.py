@@ -52,8 +52,10 @@ class OpStats:
       internal: jaxamp's own value: a barrier that autocast inserted around a
         matmul's operands (it moves values), or a value autocast computes and
         discards (the unclamped branch of a saturating cast of an out-of-range
-        float32 constant, the FP8 scale of an all-zero group): in ``ops``, left
-        out of the tables, never ``first_nonfinite``.
+        float32 constant): in ``ops``, left out of the tables, never
+        ``first_nonfinite``. (The steps of an FP8 quantization, such as the scale
+        of an all-zero group, are not measured at all: the quantization is one
+        op, its float8 output.)
       saturated_fraction: for a float8 output, the fraction of values at the
         dtype's largest finite magnitude (``448`` in ``float8_e4m3fn``): clipped
         there by FP8 autocast's saturating cast, or scaled exactly onto it (the
