@@ -99,15 +99,25 @@ _SAME_VALUES = frozenset(
 )
 
 
-def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], scope: Scope) -> Any:
-    """``(Ref, repeat)`` of the input's measurement for a value-preserving primitive
-    (its statistics pass on), else None (measure)."""
-    stats = ins[0].stats if ins else None
-    if eqn.primitive.name not in _SAME_VALUES or len(outs) != 1 or stats is None:
+# Primitives whose output i is operand i, unchanged (autocast's barrier around a
+# matmul's operands): each output's statistics are its operand's.
+_PER_OPERAND = frozenset({"optimization_barrier"})
+
+
+def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], k: int, scope: Scope) -> Any:
+    """``(Ref, repeat)`` of the input's measurement for output ``k`` of a
+    value-preserving primitive (its statistics pass on), else None (measure)."""
+    name = eqn.primitive.name
+    if name in _PER_OPERAND and len(ins) == len(outs):
+        source_val = ins[k]  # output k is operand k
+    elif name in _SAME_VALUES and len(outs) == 1 and ins:
+        source_val = ins[0]
+    else:
         return None
-    if stats.scope is not scope:
+    stats = source_val.stats
+    if stats is None or stats.scope is not scope:
         return None
-    source, out = ins[0].value, outs[0]
+    source, out = source_val.value, outs[k]
     if np.dtype(source.dtype) != np.dtype(out.dtype):
         return None
     return stats, max(out.size, 1) // max(source.size, 1)
@@ -175,7 +185,7 @@ class Recorder:
                     raise _unmeasured(eqn, key)
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
-            moved = _moved_from(eqn, ins, outs, self.scope)
+            moved = _moved_from(eqn, ins, outs, k, self.scope)
             elements = None if moved else Elements(out, shadow, locals_[k])
             ref = self.scope.add(key, elements, moved, inputs, self.clock)
             self.reached.add(key)
