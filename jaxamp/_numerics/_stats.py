@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._casting import is_narrow
+
 __all__ = [
     "EMPTY",
     "NEVER",
@@ -89,8 +91,10 @@ class Elements:
     def underflow(self) -> Any:
         """1 where *this* op flushed: zero/subnormal here, normal in the twin and locally.
 
-        None (all zero) without a twin: the output is what float32 would compute."""
-        if self.shadow is None:
+        None (all zero) without a twin, the output being what float32 would compute,
+        and for a 32-bit output: its arithmetic is its twin's, so what is lost in it
+        was lost before (``lost``)."""
+        if self.shadow is None or not is_narrow(self.out):
             return None
         if self.local is None:
             return self._lost_here.astype(jnp.int32)

@@ -143,6 +143,23 @@ def test_underflow_fractions_count_what_each_op_flushes():
     assert [op.underflow_fraction for op in tiny.ops] == [1.0, 0.0]
 
 
+def test_a_32_bit_op_flushes_nothing_and_keeps_what_was_lost():
+    x = np.exp(np.linspace(-25.0, 0.0, 1000)).astype(np.float32)
+
+    def fun(x):
+        return (x.astype(jnp.float16) * np.float16(1e-3)).astype(jnp.float32) * 2.0
+
+    cast, mul, widened, doubled = jaxamp.numerics_report(fun, x).ops
+    assert (widened.dtype, doubled.dtype) == (np.float32, np.float32)
+    # float32 arithmetic on the float16 values is its own float32 twin: whatever is
+    # zero there was flushed before; lost_fraction keeps it (zeros of the float16 mul).
+    assert widened.underflow_fraction == doubled.underflow_fraction == 0.0
+    want = float(np.mean(np.asarray(fun(x)) == 0))
+    assert widened.lost_fraction == doubled.lost_fraction == pytest.approx(want, abs=1e-9)
+    assert want > 0.5
+    assert jaxamp.numerics_report(fun, x).most_underflow(2) == [cast, mul]
+
+
 def _scaled_loss(w, x):
     return jnp.sum(jnp.tanh(x @ w))
 
