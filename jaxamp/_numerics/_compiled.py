@@ -13,15 +13,18 @@ not retype correctly), it is traced again with every twin lowered on its own
 first (``_retype.checking_every_twin``): slower, and the twins that fail are
 dropped instead of failing the report.
 
-On the CPU the program is compiled without LLVM's optimizations
-(``CPU_COMPILER_OPTIONS``). The float32 shadow puts 16-bit and float32 arithmetic
-in the same fused loops, which the plain program never does, and LLVM's x86
-backend aborts the process (``LLVM ERROR: Cannot select: ...
+On the CPU the program is compiled so that LLVM never vectorizes float16 loops
+wider than 64 bits. The float32 shadow puts 16-bit and float32 arithmetic in
+the same fused loops, which the plain program never does, and LLVM's x86
+backend aborts the process (``LLVM ERROR: Cannot select: ... v16f16 ...
 X86ISD::SUBV_BROADCAST_LOAD``, no exception to catch) on some of them once they
 are vectorized: on AVX-512 machines without AVX512-FP16 already
 ``jnp.where(c * d > 0, a, 0.0) / a`` with float16 ``c`` (4x8) and ``d`` (4x1)
-does. Unoptimized code is never vectorized by LLVM; it compiles faster and runs
-slower, and a report runs its program once.
+does. A small program (under ``FAST_COMPILE_VALUES`` measured values) is
+compiled without LLVM's optimizations at all, which halves its compile; a
+larger one with them and 64-bit vectors (``xla_cpu_prefer_vector_width``),
+since unoptimized code runs its measured values some 70 times slower
+(BENCHMARKS.md, "numerics_report").
 """
 
 from __future__ import annotations
@@ -39,7 +42,16 @@ from jaxamp._numerics._retype import checking_every_twin
 from jaxamp._numerics._summary import summarise
 from jaxamp._numerics._types import NumericsReport
 
-__all__ = ["CACHE_SIZE", "Compiled", "cache_clear", "cache_key", "cached", "compile_with_fallback"]
+__all__ = [
+    "CACHE_SIZE",
+    "FAST_COMPILE_VALUES",
+    "Compiled",
+    "cache_clear",
+    "cache_key",
+    "cached",
+    "compile_with_fallback",
+    "compiler_options",
+]
 
 CACHE_SIZE = 32  # programs kept (least recently used dropped first)
 # XLA's options for compiling the program on the CPU (see the module docstring):
@@ -48,6 +60,13 @@ CACHE_SIZE = 32  # programs kept (least recently used dropped first)
 # runs its program once per batch (BENCHMARKS.md, "numerics_report": about 40%
 # less compile time, the run about twice as long).
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# A larger program: LLVM's optimizations on, vectors of at most 64 bits (4 float16
+# values), which LLVM's x86 backend selects without aborting.
+CPU_LARGE_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 64}
+# The measured values (elements of every site, once) up to which a program is
+# compiled unoptimized: the 1-block transformer and the 1-layer GPT of BENCHMARKS.md
+# measure 3.7 million; the 2-layer GPT (54 million) ran 26 s unoptimized, 0.4 s not.
+FAST_COMPILE_VALUES = 2**22
 
 
 class Compiled(NamedTuple):
@@ -108,18 +127,23 @@ def cache_clear() -> None:
         _CACHE.clear()
 
 
-def compiler_options(platform: str) -> dict | None:
-    """The XLA options the report compiles its program with on ``platform``."""
-    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+def compiler_options(platform: str, values: int = 0) -> dict | None:
+    """The XLA options the report compiles its program with on ``platform``;
+    ``values``: how many values it measures (the elements of its sites)."""
+    if platform != "cpu":
+        return None
+    small = values <= FAST_COMPILE_VALUES
+    return dict(CPU_COMPILER_OPTIONS if small else CPU_LARGE_COMPILER_OPTIONS)
 
 
-def compile_with_fallback(make: Callable[[], Callable], inputs: list) -> Callable:
-    """``make()`` is a ``jax.jit``-ed program: lowered and compiled for ``inputs``.
+def compile_with_fallback(make: Callable[[], Callable], inputs: list, values: int = 0) -> Callable:
+    """``make()`` is a ``jax.jit``-ed program: lowered and compiled for ``inputs``;
+    ``values``: how many values it measures (``compiler_options``).
 
     If XLA rejects it, ``make()`` is called again with every float32 twin lowered
     on its own first, and twins that fail restart from the real value.
     """
-    options = compiler_options(jax.default_backend())
+    options = compiler_options(jax.default_backend(), values)
     try:
         return make().lower(*inputs).compile(options)
     except Exception as first:  # a twin XLA rejects: trace again, checking each one

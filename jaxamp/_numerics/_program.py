@@ -11,6 +11,7 @@ traces it into a user's jitted step (``traced``). Both get a ``Compiled`` whose
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -87,8 +88,13 @@ class NumericsProgram:
 
         def build() -> Compiled:
             closed, sites = self.catalogued(inputs)
+            values = sum(math.prod(site.shape) for site in sites)
+
             # A fresh jit per attempt: the fallback traces it again, checking every twin.
-            run = compile_with_fallback(lambda: jax.jit(_measuring(closed, sites)), inputs)
+            def make() -> Callable:
+                return jax.jit(_measuring(closed, sites))
+
+            run = compile_with_fallback(make, inputs, values)
             return Compiled(
                 run, sites, self.paths(), site_graph(closed, (site.key for site in sites))
             )

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxamp._numerics._compiled import compiler_options
 from tests.unit.test_numerics_provenance import (
     HEADS,
     PRECISIONS,
@@ -160,7 +161,10 @@ def test_padded_cross_entropy_matches_the_oracle(name, precision):
 
 
 _ABORTING = """
+import sys
 import jax, jaxamp
+from jaxamp._numerics import _compiled
+_compiled.FAST_COMPILE_VALUES = int(sys.argv[1])  # 0: compiled as a large program
 from tests.unit.test_numerics_provenance import PRECISIONS, ZOO, _params
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 args, _ = PRECISIONS["hand_float16"](*_params())
@@ -170,11 +174,16 @@ print(origin.primitive, origin.phase, origin.source.rsplit(":", 1)[1])
 """
 
 
-def test_hand_cast_float16_padded_cross_entropy_does_not_abort():
+@pytest.mark.parametrize("fast_compile_values", [2**22, 0], ids=["unoptimized", "optimized"])
+def test_hand_cast_float16_padded_cross_entropy_does_not_abort(fast_compile_values):
     # Its float32 shadow shares fused loops with float16 arithmetic, which LLVM's
-    # x86 backend aborted on. Run apart: an abort kills the process it happens in.
+    # x86 backend aborted on once vectorized 256 bits wide. Both ways the report
+    # compiles (a small program unoptimized, a large one with 64-bit vectors) must
+    # not. Run apart: an abort kills the process it happens in.
+    assert compiler_options("cpu", 2**22) == {"xla_backend_optimization_level": 0}
+    assert compiler_options("cpu", 2**22 + 1) == {"xla_cpu_prefer_vector_width": 64}
     done = subprocess.run(
-        [sys.executable, "-c", _ABORTING],
+        [sys.executable, "-c", _ABORTING, str(fast_compile_values)],
         cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
