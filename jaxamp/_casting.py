@@ -25,8 +25,8 @@ __all__ = [
 # float32: what jaxamp accumulates, widens and keeps precision-sensitive values in.
 F32 = np.dtype(np.float32)
 # The name scope of values jaxamp computes and then discards (the unclamped branch of
-# a saturating cast, an FP8 scale of an all-zero group): numerics_report marks them
-# ``internal`` and never blames them, whatever they hold.
+# a saturating cast): numerics_report marks them ``internal`` and never blames them,
+# whatever they hold.
 INTERNAL_SCOPE = "jaxamp_internal"
 # The name scope of an FP8 quantization (amax, scale, scaled saturating cast):
 # numerics_report measures it as one op, its float8 output, not each of its steps.

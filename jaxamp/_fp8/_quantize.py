@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxamp._casting import F32, INTERNAL_SCOPE, QUANTIZE_SCOPE
+from jaxamp._casting import F32, QUANTIZE_SCOPE
 from jaxamp._fp8._scalings import KINDS, Groups, scaling_named
 
 __all__ = ["Groups", "groups_for", "quantize", "scale_from_amax", "scaled_product"]
@@ -55,8 +55,7 @@ def scale_from_amax(amax: jax.Array, dtype: np.dtype, power_of_two: bool) -> jax
         exp = jnp.clip(exp, -_MAX_EXP, _MAX_EXP)
         scale = jnp.ldexp(jnp.ones_like(amax), exp)
     else:
-        with jax.named_scope(INTERNAL_SCOPE):  # inf for an all-zero group, replaced below
-            quotient = np.float32(top) / amax
+        quotient = np.float32(top) / amax  # inf for an all-zero group, replaced below
         scale = jnp.clip(quotient, 2.0**-_MAX_EXP, 2.0**_MAX_EXP)
     scale = jnp.where(amax == 0, np.float32(1), scale)
     # An inf or NaN in the group makes its scale NaN, so the product is NaN too

@@ -54,11 +54,10 @@ __all__ = [
 ]
 
 CACHE_SIZE = 32  # programs kept (least recently used dropped first)
-# XLA's options for compiling the program on the CPU (see the module docstring):
-# LLVM's x86 vectorizer aborts on some mixed float16/float32 loops, and most of
-# the compile goes to LLVM's optimization of many small kernels while the report
-# runs its program once per batch (BENCHMARKS.md, "numerics_report": about 40%
-# less compile time, the run about twice as long).
+# XLA's options for compiling a small program on the CPU (see the module docstring):
+# LLVM never vectorizes (its x86 backend aborts on some vectorized mixed
+# float16/float32 loops) and skips its optimization of the many small kernels, most
+# of such a program's compile; the run is slower, BENCHMARKS.md, "numerics_report".
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # A larger program: LLVM's optimizations on, vectors of at most 64 bits (4 float16
 # values), which LLVM's x86 backend selects without aborting.

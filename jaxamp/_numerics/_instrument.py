@@ -32,7 +32,13 @@ from jaxamp._engine import _control as control
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._engine._visit import sub_path
 from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
-from jaxamp._numerics._sites import Site, in_quantization, is_quantize_step, site_key
+from jaxamp._numerics._sites import (
+    PER_OPERAND,
+    Site,
+    in_quantization,
+    is_quantize_step,
+    site_key,
+)
 from jaxamp._numerics._stats import Elements
 from jaxamp._numerics._table import Ref, Scope, empty_table
 
@@ -99,16 +105,11 @@ _SAME_VALUES = frozenset(
 )
 
 
-# Primitives whose output i is operand i, unchanged (autocast's barrier around a
-# matmul's operands): each output's statistics are its operand's.
-_PER_OPERAND = frozenset({"optimization_barrier"})
-
-
 def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], k: int, scope: Scope) -> Any:
     """``(Ref, repeat)`` of the input's measurement for output ``k`` of a
     value-preserving primitive (its statistics pass on), else None (measure)."""
     name = eqn.primitive.name
-    if name in _PER_OPERAND and len(ins) == len(outs):
+    if name in PER_OPERAND and len(ins) == len(outs):
         source_val = ins[k]  # output k is operand k
     elif name in _SAME_VALUES and len(outs) == 1 and ins:
         source_val = ins[0]
@@ -135,7 +136,12 @@ class Recorder:
     """
 
     def __init__(
-        self, sites: dict[tuple, Site], scope: Scope, clock: Any, reached: set, quantizing=False
+        self,
+        sites: dict[tuple, Site],
+        scope: Scope,
+        clock: Any,
+        reached: set,
+        quantizing: bool = False,
     ):
         self.sites = sites
         self.scope = scope
@@ -198,8 +204,8 @@ class Recorder:
         not measured. Its outputs count as finite when its inputs are (the float8
         output is measured, and blamed for an inf/NaN the steps make), and their
         shadow restarts from the value: the quantization's float8 output is compared
-        with the scaled operand it rounds, and computing the steps again in float32
-        cost a fifth of the FP8 program's compile (BENCHMARKS.md, "numerics_report")."""
+        with the scaled operand it rounds, without computing the steps again in
+        float32 (BENCHMARKS.md, "numerics_report: the first call")."""
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
         flags = AllFinite(tuple(flag for v in ins for flag in self.flags_of(v)))
         self.clock = (self.clock[0], self.clock[1] + 1)
@@ -220,7 +226,7 @@ class Recorder:
         flags = self.flags_of(val)
         if any(isinstance(f, Ref) for f in flags):
             return all_finite_flag(val.value)
-        return jnp.all(jnp.asarray([jnp.asarray(f) for f in flags] or [True]))
+        return self.traced_flag(AllFinite(flags))
 
     def finished(self, vals: Sequence[Val]) -> list[Any]:
         """Flushes the scope; each value's finite flag, traced."""
@@ -228,7 +234,8 @@ class Recorder:
         return [self.traced_flag(v.finite) for v in vals]
 
     def traced_flag(self, finite: Any) -> Any:
-        """A finite flag (or ``AllFinite`` of them) as one traced bool, after the flush."""
+        """A finite flag (or ``AllFinite`` of them) as one traced bool (a ``Ref`` of
+        this scope only after its flush)."""
         if isinstance(finite, AllFinite):
             return jnp.all(jnp.stack([self.traced_flag(f) for f in finite] or [jnp.bool_(True)]))
         return jnp.asarray(self.scope.flag(finite))

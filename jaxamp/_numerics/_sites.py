@@ -42,6 +42,7 @@ from jaxamp._engine import _control as control
 from jaxamp._engine._visit import sub_path
 
 __all__ = [
+    "PER_OPERAND",
     "PHASES",
     "Site",
     "catalog",
@@ -266,9 +267,10 @@ def _is_float8_var(var) -> bool:
     return _is_floating_var(var) and np.dtype(var.aval.dtype).itemsize == 1
 
 
-# Primitives whose output i is operand i (grouped only to order them): the barrier
-# autocast puts around a matmul's operands pairs a cotangent with forward values.
-_PER_OPERAND = frozenset({"optimization_barrier"})
+# Primitives whose output i is operand i, unchanged (grouped only to order them): the
+# barrier autocast puts around a matmul's operands pairs a cotangent with forward
+# values. The evaluation passes each operand's statistics on to its output.
+PER_OPERAND = frozenset({"optimization_barrier"})
 
 
 def scaled_outputs(eqn: jex.JaxprEqn, ins: Sequence[bool]) -> list[bool]:
@@ -278,7 +280,7 @@ def scaled_outputs(eqn: jex.JaxprEqn, ins: Sequence[bool]) -> list[bool]:
     its own operand, and an integer or bool output (a mask, a comparison) is never
     scaled: it is not proportional to the loss scale.
     """
-    if eqn.primitive.name in _PER_OPERAND and len(ins) == len(eqn.outvars):
+    if eqn.primitive.name in PER_OPERAND and len(ins) == len(eqn.outvars):
         flags = list(ins)
     else:
         flags = [any(ins)] * len(eqn.outvars)
