@@ -205,7 +205,7 @@ class Recorder:
         output is measured, and blamed for an inf/NaN the steps make), and their
         shadow restarts from the value: the quantization's float8 output is compared
         with the scaled operand it rounds, without computing the steps again in
-        float32 (BENCHMARKS.md, "numerics_report: the first call")."""
+        float32 (BENCHMARKS.md, "numerics_report: the first call, compile included")."""
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
         flags = AllFinite(tuple(flag for v in ins for flag in self.flags_of(v)))
         self.clock = (self.clock[0], self.clock[1] + 1)
