@@ -39,7 +39,7 @@ from jaxamp._numerics._sites import (
     is_quantize_step,
     site_key,
 )
-from jaxamp._numerics._stats import Elements
+from jaxamp._numerics._stats import Output
 from jaxamp._numerics._table import Ref, Scope, empty_table
 
 __all__ = ["Recorder", "all_finite_flag", "instrumented"]
@@ -192,8 +192,8 @@ class Recorder:
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
             moved = _moved_from(eqn, ins, outs, k, self.scope)
-            elements = None if moved else Elements(out, shadow, locals_[k])
-            ref = self.scope.add(key, elements, moved, inputs, self.clock)
+            output = None if moved else Output(out, shadow, locals_[k])
+            ref = self.scope.add(key, output, moved, inputs, self.clock)
             self.reached.add(key)
             vals.append(Val(out, ref, shadow, ref))
         self.clock = (self.clock[0], self.clock[1] + 1)

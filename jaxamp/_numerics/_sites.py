@@ -26,6 +26,7 @@ value that a barrier groups with a cotangent, nor an integer or bool value).
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from collections.abc import Sequence
@@ -102,10 +103,16 @@ def user_frame(eqn: jex.JaxprEqn) -> str | None:
     user line is that of the equation calling the function.
     """
     for file_name, line in compat.source_frames(eqn):
-        real = os.path.realpath(file_name)
-        if not real.startswith(_LIBRARY_DIRS) and not file_name.startswith("<"):
+        if not _is_library(file_name):
             return f"{file_name}:{line}"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(file_name: str) -> bool:
+    # Cached: ``realpath`` walks the file system, and a program's equations share
+    # a few hundred files.
+    return file_name.startswith("<") or os.path.realpath(file_name).startswith(_LIBRARY_DIRS)
 
 
 def user_source(eqn: jex.JaxprEqn, caller: str | None = None) -> str:

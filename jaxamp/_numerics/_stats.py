@@ -3,7 +3,8 @@
 A statistic is a per-element map of one floating output (its finite magnitude,
 1 where it is inf/NaN, ...) reduced with an associative ``combine`` (max or
 sum) from an ``initial`` value. From the table ``STATISTICS`` come the one
-variadic reduction per output (``reduce_output``), the statistics a
+variadic reduction over outputs of one size stacked as rows (``Elements``,
+``reduce_rows``), the statistics a
 value-preserving op passes on (``moved``), the running statistics of a site
 over every time it runs (``Stat``, ``accumulate``), their packing into two
 arrays (float32 and int32) that loops carry and the program returns
@@ -32,12 +33,14 @@ __all__ = [
     "NEVER",
     "STATISTICS",
     "Elements",
+    "Output",
     "Stat",
     "Statistic",
     "accumulate",
     "moved",
     "pack",
     "reduce_output",
+    "reduce_rows",
     "unpack_row",
 ]
 
@@ -54,16 +57,64 @@ def _normal32(x: Any) -> Any:
     return jnp.abs(x) >= np.asarray(jnp.finfo(jnp.float32).tiny, x.dtype)
 
 
-class Elements:
-    """The per-element facts of one output that the statistics map from.
+class Output(NamedTuple):
+    """One measured output: its value, its float32 twin along the whole program
+    (None: equal to the value) and this op alone in float32 on its real inputs
+    (None: not computed), see ``_shadow``."""
 
-    ``shadow`` is the output's float32 twin along the whole program (None: equal
-    to the output) and ``local`` this op alone in float32 on its real inputs
-    (None: not computed), see ``_shadow``. Each fact is computed once.
+    out: Any
+    shadow: Any = None
+    local: Any = None
+
+
+def _column(values: Sequence[Any], dtype: Any) -> Any:
+    return np.asarray(values, dtype)[:, None]
+
+
+def _first_given(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+class Elements:
+    """The per-element facts the statistics map from, for outputs of one size.
+
+    The outputs are stacked as the rows of one ``[outputs, elements]`` array in
+    float32 (float64 if one is 64-bit; widening is exact, so every fact is the
+    one of the value in its own dtype), and what depends on an output's dtype is a
+    column of per-row constants. Each map is then one operation over every output
+    at once: XLA compiles a few kernels per size rather than several per output,
+    which is what the report's compile time follows (BENCHMARKS.md,
+    "numerics_report: the first call, compile included"). A map that is all zero
+    for every row (no twin, no float8 output) is None and not reduced.
     """
 
-    def __init__(self, out: Any, shadow: Any = None, local: Any = None):
-        self.out, self.shadow, self.local = out, shadow, local
+    def __init__(self, outputs: Sequence[Output]):
+        wide = any(np.dtype(o.out.dtype).itemsize > 4 for o in outputs)
+        self.dtype = np.dtype(np.float64 if wide else np.float32)
+        dtypes = [np.dtype(o.out.dtype) for o in outputs]
+        shadowed = [o.shadow is not None for o in outputs]
+        self.out = self._stack([o.out for o in outputs])
+        self.shadow = self._stack([o.out if o.shadow is None else o.shadow for o in outputs])
+        self.has_shadow = any(shadowed)
+        # Rows whose loss counts, and those where this op's own flushing does.
+        self.lost_rows = _column(shadowed, bool)
+        self.underflow_rows = _column(
+            [s and is_narrow(d) for s, d in zip(shadowed, dtypes, strict=True)], bool
+        )
+        self.has_underflow = bool(self.underflow_rows.any())
+        self.local = None  # a row without a local twin uses its shadow: no effect
+        if any(o.local is not None for o in outputs):
+            self.local = self._stack([_first_given(o.local, o.shadow, o.out) for o in outputs])
+        self.tiny = _column([jnp.finfo(d).tiny for d in dtypes], self.dtype)
+        float8 = [d.itemsize == 1 for d in dtypes]
+        self.has_float8 = any(float8)
+        self.float8_max = _column(
+            [jnp.finfo(d).max if f else np.inf for d, f in zip(dtypes, float8, strict=True)],
+            np.float32,
+        )
+
+    def _stack(self, values: Sequence[Any]) -> Any:
+        return jnp.stack([jnp.ravel(v).astype(self.dtype) for v in values])
 
     @functools.cached_property
     def _abs_finite(self) -> tuple[Any, Any]:
@@ -80,37 +131,39 @@ class Elements:
 
     @property
     def magnitude_float32(self) -> Any:
-        return self.magnitude if self.shadow is None else _finite_abs(self.shadow)[0]
+        return _finite_abs(self.shadow)[0] if self.has_shadow else self.magnitude
 
     @functools.cached_property
     def _lost_here(self) -> Any:
-        tiny = np.asarray(jnp.finfo(self.out.dtype).tiny, self.out.dtype)
-        return jnp.logical_and(jnp.abs(self.out) < tiny, _normal32(self.shadow))
+        return jnp.logical_and(jnp.abs(self.out) < self.tiny, _normal32(self.shadow))
 
-    @functools.cached_property
+    @property
     def underflow(self) -> Any:
         """1 where *this* op flushed: zero/subnormal here, normal in the twin and locally.
 
-        None (all zero) without a twin, the output being what float32 would compute,
-        and for a 32-bit output: its arithmetic is its twin's, so what is lost in it
-        was lost before (``lost``)."""
-        if self.shadow is None or not is_narrow(self.out):
+        0 for an output without a twin (it is what float32 would compute) and for a
+        32-bit output (its arithmetic is its twin's, so what is lost in it was lost
+        before: ``lost``)."""
+        if not self.has_underflow:
             return None
-        if self.local is None:
-            return self._lost_here.astype(jnp.int32)
-        return jnp.logical_and(self._lost_here, _normal32(self.local)).astype(jnp.int32)
+        here = jnp.logical_and(self._lost_here, self.underflow_rows)
+        if self.local is not None:
+            here = jnp.logical_and(here, _normal32(self.local))
+        return here.astype(jnp.int32)
 
     @property
     def lost(self) -> Any:
         """1 where zero/subnormal here and normal in the twin, wherever it was flushed."""
-        return self.underflow if self.shadow is None else self._lost_here.astype(jnp.int32)
+        if not self.has_shadow:
+            return None
+        return jnp.logical_and(self._lost_here, self.lost_rows).astype(jnp.int32)
 
     @property
     def saturated(self) -> Any:
         """1 where a float8 value sits at its dtype's max: clipped there by a saturating cast."""
-        if np.dtype(self.out.dtype).itemsize != 1:
+        if not self.has_float8:
             return None  # all zero: only float8 casts saturate
-        return (self.magnitude >= np.float32(jnp.finfo(self.out.dtype).max)).astype(jnp.int32)
+        return (self.magnitude >= self.float8_max).astype(jnp.int32)
 
 
 def _same(value: Any, repeat: Any) -> Any:
@@ -201,26 +254,30 @@ if len(_FLOATS) + len(_INTS) != len(STATISTICS):
 
 
 def reduce_output(out: Any, shadow: Any = None, local: Any = None) -> tuple[Any, ...]:
-    """Every statistic of one output, in ``STATISTICS`` order.
+    """Every statistic of one output, in ``STATISTICS`` order (``reduce_rows`` of one)."""
+    return tuple(column[0] for column in reduce_rows(Elements([Output(out, shadow, local)])))
 
-    One variadic reduction: XLA compiles one kernel per output instead of one per
-    statistic, which keeps the compile time of a large instrumented program in
-    proportion.
+
+def reduce_rows(elements: Elements) -> tuple[Any, ...]:
+    """Per statistic, in ``STATISTICS`` order, a vector over the rows of ``elements``.
+
+    One variadic reduction over the elements of every row: XLA fuses the maps of
+    every statistic into one kernel. A map of None (all zero) is not reduced.
     """
-    elements = Elements(out, shadow, local)
-    operands = tuple(_map_of(s, elements) for s in STATISTICS)
-    initial = tuple(s.dtype.type(s.initial) for s in STATISTICS)
-
-    def combine(a, b):
-        return tuple(s.combine(x, y) for s, x, y in zip(STATISTICS, a, b, strict=True))
-
-    return tuple(jax.lax.reduce(operands, initial, combine, tuple(range(out.ndim))))
-
-
-def _map_of(stat: Statistic, elements: Elements) -> Any:
-    """The statistic's per-element map (a map of None is all zero)."""
-    mapped = stat.element(elements)
-    return jnp.zeros(elements.out.shape, stat.dtype) if mapped is None else mapped
+    maps = [s.element(elements) for s in STATISTICS]
+    live = [k for k, m in enumerate(maps) if m is not None]
+    out = jax.lax.reduce(
+        tuple(maps[k] for k in live),
+        tuple(STATISTICS[k].dtype.type(STATISTICS[k].initial) for k in live),
+        lambda a, b: tuple(STATISTICS[k].combine(x, y) for k, x, y in zip(live, a, b, strict=True)),
+        (1,),
+    )
+    columns = dict(zip(live, out, strict=True))
+    rows = elements.out.shape[0]
+    return tuple(
+        columns[k] if k in columns else jnp.full((rows,), s.initial, s.dtype)
+        for k, s in enumerate(STATISTICS)
+    )
 
 
 def moved(stats: Sequence[Any], repeat: Any) -> tuple[Any, ...]:

@@ -8,9 +8,11 @@ instrumented program's compile time went there (BENCHMARKS.md,
 body is evaluated (the whole program, or one loop iteration, or one branch of a
 cond) and reduces them at its end (``flush``):
 
-- the outputs of one flattened size are stacked and reduced by one variadic
-  reduction (every statistic of ``_stats.STATISTICS`` at once), so the program
-  has one reduction per distinct size, not per output;
+- the outputs of one flattened size are stacked as the rows of one array (with
+  their float32 twins), each statistic's per-element map is computed once over
+  it, and one variadic reduction gives every statistic of ``_stats.STATISTICS``
+  for every row (``_stats.Elements``, ``_stats.reduce_rows``): a few kernels per
+  distinct size, not several per output;
 - a value-preserving op (reshape, broadcast) is an entry pointing at its
   source's measurement (``_stats.Statistic.moved``, which composes along a
   chain of such ops);
@@ -33,7 +35,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._numerics._stats import EMPTY, NEVER, NONFINITE, STATISTICS, Elements, pack
+from jaxamp._numerics._stats import (
+    EMPTY,
+    NEVER,
+    NONFINITE,
+    STATISTICS,
+    Elements,
+    Output,
+    pack,
+    reduce_rows,
+)
 
 __all__ = ["Ref", "Scope", "empty_table", "host_flag"]
 
@@ -67,7 +78,7 @@ def empty_table(n: int) -> tuple[Any, Any]:
 
 class _Entry(NamedTuple):
     row: int  # the site's row in the table
-    maps: tuple | None  # per statistic the flattened per-element map, None if moved
+    output: Output | None  # what is measured; None if moved
     source: int  # the measured entry whose statistics this one has (itself if measured)
     repeat: int  # how often each of the source's values repeats here (moved entries)
     inputs: tuple  # per input: ("entry", i), ("flag", i) into the external flags
@@ -98,20 +109,19 @@ class Scope:
         self.floats = self.floats.at[idx].set(table[0], unique_indices=True)
         self.ints = self.ints.at[idx].set(table[1], unique_indices=True)
 
-    def add(self, key, elements: Elements | None, moved_from, inputs, clock) -> Ref:
+    def add(self, key, output: Output | None, moved_from, inputs, clock) -> Ref:
         """Records one output of site ``key``; ``moved_from``: ``(Ref, repeat)`` of the
-        measurement a value-preserving op passes on, or None (``elements`` measured).
+        measurement a value-preserving op passes on, or None (``output`` measured).
         ``inputs``: the finite flags of the op's inputs (``Ref`` or traced or constant)."""
         entry = len(self.entries)
         if moved_from is None:
-            maps = _maps(elements)
             source, repeat = entry, 1
         else:
             ref, repeat = moved_from
-            maps, source = None, self.entries[ref.entry].source
+            output, source = None, self.entries[ref.entry].source
             repeat *= self.entries[ref.entry].repeat
         refs = tuple(self._input(flag) for flag in inputs)
-        self.entries.append(_Entry(self.row[key], maps, source, repeat, refs, self._clock(clock)))
+        self.entries.append(_Entry(self.row[key], output, source, repeat, refs, self._clock(clock)))
         return Ref(self, entry)
 
     def _input(self, flag: Any) -> tuple | None:
@@ -147,18 +157,18 @@ class Scope:
 
     def _statistics(self) -> list[Any]:
         """Per statistic a vector over the entries (moved entries from their source)."""
-        measured = [i for i, e in enumerate(self.entries) if e.maps is not None]
+        measured = [i for i, e in enumerate(self.entries) if e.output is not None]
         groups: dict[int, list[int]] = collections.defaultdict(list)
         for i in measured:
-            groups[self.entries[i].maps[0].shape[0]].append(i)
+            groups[self.entries[i].output.out.size].append(i)
         order, parts = [], []
         for members in groups.values():
             order += members
-            parts.append(_reduce_stacked([self.entries[i].maps for i in members]))
+            parts.append(reduce_rows(Elements([self.entries[i].output for i in members])))
         position = {entry: p for p, entry in enumerate(order)}
         source = np.asarray([position[e.source] for e in self.entries], np.int32)
         repeat = np.asarray([e.repeat for e in self.entries], np.int32)
-        is_moved = np.asarray([e.maps is None for e in self.entries])
+        is_moved = np.asarray([e.output is None for e in self.entries])
         out = []
         for k, stat in enumerate(STATISTICS):
             values = jnp.concatenate([part[k] for part in parts])[source]
@@ -228,52 +238,3 @@ def _columns(floats: Any, ints: Any) -> list[Any]:
     for c, i in enumerate(_INTS):
         cols[i] = ints[:, c]
     return cols
-
-
-def _maps(elements: Elements) -> tuple:
-    """Per statistic the flattened per-element map; None where it is all zero, and one
-    array object where two statistics map alike (reduced once)."""
-    maps = []
-    for stat in STATISTICS:
-        mapped = stat.element(elements)
-        maps.append(None if mapped is None else mapped)
-    seen: dict[int, Any] = {}
-    for k, mapped in enumerate(maps):
-        if mapped is not None:
-            maps[k] = seen.setdefault(id(mapped), jnp.ravel(mapped))
-    return tuple(maps)
-
-
-def _slot(mapped: Any, k: int) -> tuple:
-    stat = STATISTICS[k]
-    return (id(mapped), stat.combine, stat.dtype, stat.initial)
-
-
-def _reduce_stacked(maps: list[tuple]) -> tuple[Any, ...]:
-    """Every statistic of outputs of one size: one variadic reduction over all of them.
-
-    One ``reduce`` whose operands are the maps of every output (not a stack of them:
-    XLA would compute each map in its own kernel to fill the stack), so XLA fuses
-    them into a single loop over the elements. A map of None (all zero) is not
-    reduced, and a map two statistics share is reduced once.
-    """
-    operands: list[Any] = []
-    at: dict[tuple, int] = {}  # (map, how it combines) -> its operand
-    for member in maps:
-        for k, mapped in enumerate(member):
-            if mapped is not None and _slot(mapped, k) not in at:
-                at[_slot(mapped, k)] = len(operands)
-                operands.append((mapped, STATISTICS[k]))
-    out = jax.lax.reduce(
-        tuple(m for m, _ in operands),
-        tuple(s.dtype.type(s.initial) for _, s in operands),
-        lambda a, b: tuple(s.combine(x, y) for (_, s), x, y in zip(operands, a, b, strict=True)),
-        (0,),
-    )
-    columns = []
-    for k, stat in enumerate(STATISTICS):
-        column = [
-            stat.dtype.type(stat.initial) if m[k] is None else out[at[_slot(m[k], k)]] for m in maps
-        ]
-        columns.append(jnp.stack([jnp.asarray(v, stat.dtype) for v in column]))
-    return tuple(columns)

@@ -41,6 +41,34 @@ def test_reduce_output_against_numpy():
     assert int(saturated) == 2
 
 
+def test_outputs_of_mixed_dtypes_stacked_as_rows_keep_their_own_statistics():
+    # One reduction over rows of float16, float32 and float8 values, with and without
+    # twins, gives each row what it gives alone: a row's dtype (its tiny, its float8
+    # max) and its twins are per row, not the group's.
+    f16 = jnp.array([1e-6, 0.0, 2.0, jnp.inf], jnp.float16)
+    shadow16 = jnp.array([1e-6, 1e-30, 2.0, 9.0], jnp.float32)
+    local16 = jnp.array([1e-6, 0.0, 2.0, 9.0], jnp.float32)
+    f32 = jnp.array([1e-6, 1e-39, -4.0, 1.0], jnp.float32)  # 1e-39: subnormal in float32
+    shadow32 = jnp.array([1e-6, 1e-30, -4.0, 1.0], jnp.float32)
+    fp8 = jnp.array([448.0, 0.0, -1.0, 448.0], jnp.float8_e4m3fn)
+    outputs = [
+        _stats.Output(f16, shadow16, local16),
+        _stats.Output(f32, shadow32),
+        _stats.Output(fp8),
+        _stats.Output(f16),
+    ]
+    stacked = _stats.reduce_rows(_stats.Elements(outputs))
+    for row, output in enumerate(outputs):
+        alone = _stats.reduce_output(*output)
+        assert [float(col[row]) for col in stacked] == [float(v) for v in alone], row
+    names = [s.name for s in _stats.STATISTICS]
+    got = {n: [float(v) for v in col] for n, col in zip(names, stacked, strict=True)}
+    assert got["underflow"] == [1, 0, 0, 0]  # float32 flushes nothing it did not lose
+    assert got["lost"] == [2, 1, 0, 0]  # 1e-6 and the 0 in float16; 1e-39 in float32
+    assert got["saturated"] == [0, 0, 2, 0]
+    assert got["max_abs_float32"] == [9.0, 4.0, 448.0, 2.0]
+
+
 def test_accumulate_and_unpack_row_round_trip():
     stats = _stats.reduce_output(jnp.array([1.0, jnp.inf], jnp.float32))
     once = _stats.accumulate(_stats.EMPTY, stats, jnp.bool_(True), 5, 2)
