@@ -30,6 +30,7 @@ since unoptimized code runs its measured values some 70 times slower
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -62,6 +63,11 @@ CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # A larger program: LLVM's optimizations on, vectors of at most 64 bits (4 float16
 # values), which LLVM's x86 backend selects without aborting.
 CPU_LARGE_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 64}
+# Where XLA still has them (jax 0.10, not 0.12), its classic fused-loop emitters,
+# which compile the report's many small kernels in about half the time of the
+# MLIR fusion emitters (BENCHMARKS.md, "numerics_report: the first call, compile
+# included"); the program computes the same values either way.
+CPU_CLASSIC_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 # The measured values (elements of every site, once) up to which a program is
 # compiled unoptimized: the 1-block transformer and the 1-layer GPT of BENCHMARKS.md
 # measure 3.7 million; the 2-layer GPT (54 million) ran 26 s unoptimized, 0.4 s not.
@@ -132,7 +138,20 @@ def compiler_options(platform: str, values: int = 0) -> dict | None:
     if platform != "cpu":
         return None
     small = values <= FAST_COMPILE_VALUES
-    return dict(CPU_COMPILER_OPTIONS if small else CPU_LARGE_COMPILER_OPTIONS)
+    options = dict(CPU_COMPILER_OPTIONS if small else CPU_LARGE_COMPILER_OPTIONS)
+    if _accepted(tuple(CPU_CLASSIC_EMITTERS.items())):
+        options.update(CPU_CLASSIC_EMITTERS)
+    return options
+
+
+@functools.cache
+def _accepted(options: tuple) -> bool:
+    """Whether this XLA knows the compile ``options`` (asked once, on a tiny program)."""
+    try:
+        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(dict(options))
+    except Exception:  # "No such compile option": XLA dropped it
+        return False
+    return True
 
 
 def compile_with_fallback(make: Callable[[], Callable], inputs: list, values: int = 0) -> Callable:
