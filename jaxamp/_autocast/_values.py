@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import INTERNAL_SCOPE
-
 __all__ = [
     "ACTIVATION",
     "PINNED",
@@ -59,9 +57,9 @@ def saturate_finite(x: Any, dtype: np.dtype) -> Any:
 def _saturate(x: jax.Array, dtype: np.dtype) -> jax.Array:
     top = jnp.finfo(dtype).max
     clipped = jax.lax.clamp(np.asarray(-top, x.dtype), x, np.asarray(top, x.dtype))
-    with jax.named_scope(INTERNAL_SCOPE):  # kept only where x is inf/NaN
-        unclamped = cast(x, dtype)
-    return jax.lax.select(jax.lax.is_finite(x), cast(clipped, dtype), unclamped)
+    # Chosen in x's dtype, then cast once: nothing is computed in ``dtype`` and then
+    # discarded (a cast of x itself would overflow where it is finite and clipped).
+    return cast(jax.lax.select(jax.lax.is_finite(x), clipped, x), dtype)
 
 
 @_saturate.defjvp

@@ -48,7 +48,8 @@ __all__ = ["Recorder", "all_finite_flag", "instrumented"]
 def all_finite_flag(x: Any) -> Any:
     if not is_floating(x):
         return jnp.bool_(True)
-    return jnp.all(jnp.isfinite(x))
+    x = jnp.asarray(x)
+    return jax.lax.reduce_and(jax.lax.is_finite(x), tuple(range(x.ndim)))
 
 
 def _lift(const: Any) -> Val:

@@ -60,17 +60,16 @@ class NumericsProgram:
     def catalogued(self, inputs: list) -> tuple[Any, list]:
         """``(closed jaxpr, sites)`` of the program on ``inputs``."""
         if self.grad:
-            program, out_phases = _gradient_program(
+            program, phases = _gradient_program(
                 self.flat.call, self.args, self.flat.arrays, self.has_aux
             )
         else:
-            program, out_phases = self.flat.call, None
+            program, phases = self.flat.call, None
         closed = jax.make_jaxpr(program)(*inputs)
         tainted = [False] * len(inputs)
         if self.grad:
             tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass
-        if out_phases is None:
-            out_phases = ["forward"] * len(closed.jaxpr.outvars)
+        out_phases = phases() if phases else ["forward"] * len(closed.jaxpr.outvars)
         return closed, catalog(closed, tainted, out_phases)
 
     def traced(self, inputs: list) -> Compiled:
@@ -128,7 +127,9 @@ def _arg_path(fun: Callable, path: tuple) -> str:
 
 def _gradient_program(call: Callable, args: tuple, dynamic: list, has_aux: bool):
     """``(program, out_phases)``: ``program(*dynamic, seed)`` returns the loss (and aux)
-    and the gradient wrt the first argument; ``out_phases`` names each output's phase."""
+    and the gradient wrt the first argument; ``out_phases()``, once ``program`` was
+    traced, names each output's phase. ``fun`` is traced once, by the caller's
+    ``make_jaxpr`` (its output is checked there)."""
     n_first = sum(map(is_array, jax.tree.leaves(args[:1])))
     wrt = [i for i in range(n_first) if is_floating(dynamic[i])]
     if not args or not wrt:
@@ -138,7 +139,33 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, has_aux: bool)
             f"arrays of the first argument, and it has none (got {got}). Pass the "
             "parameters (a pytree of floating arrays) first."
         )
-    out = jax.eval_shape(call, *dynamic)
+    n_aux: list[int] = []
+
+    def program(*inputs):
+        *dyn, seed = inputs
+
+        def of_wrt(diff):
+            full = list(dyn)
+            for i, value in zip(wrt, diff, strict=True):
+                full[i] = value
+            out = call(*full)
+            _check_loss(out, has_aux)
+            n_aux.append(len(jax.tree.leaves(out[1])) if has_aux else 0)
+            return out
+
+        loss, backward, *aux = jax.vjp(of_wrt, [dyn[i] for i in wrt], has_aux=has_aux)
+        # The seed is a float32 argument rounded to the loss dtype here: the rounding is
+        # a measured op, so a float16 loss's seed counts for the loss scale, and its
+        # float32 twin is the true scale even where the float16 seed overflows.
+        return loss, aux, backward(seed.astype(loss.dtype))
+
+    def out_phases() -> list[str]:
+        return ["forward"] + ["state"] * n_aux[-1] + ["backward"] * len(wrt)
+
+    return program, out_phases
+
+
+def _check_loss(out: Any, has_aux: bool) -> None:
     if has_aux and not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
             "numerics_report(has_aux=True) needs fun to return a pair (loss, aux); got "
@@ -151,24 +178,6 @@ def _gradient_program(call: Callable, args: tuple, dynamic: list, has_aux: bool)
             f"{_describe(loss_out)}. Reduce the "
             "output to a scalar (e.g. jnp.mean) or pass grad=False."
         )
-
-    def program(*inputs):
-        *dyn, seed = inputs
-
-        def of_wrt(diff):
-            full = list(dyn)
-            for i, value in zip(wrt, diff, strict=True):
-                full[i] = value
-            return call(*full)
-
-        loss, backward, *aux = jax.vjp(of_wrt, [dyn[i] for i in wrt], has_aux=has_aux)
-        # The seed is a float32 argument rounded to the loss dtype here: the rounding is
-        # a measured op, so a float16 loss's seed counts for the loss scale, and its
-        # float32 twin is the true scale even where the float16 seed overflows.
-        return loss, aux, backward(seed.astype(loss_out.dtype))
-
-    n_aux = len(jax.tree.leaves(out[1])) if has_aux else 0
-    return program, ["forward"] + ["state"] * n_aux + ["backward"] * len(wrt)
 
 
 def _describe(tree: Any) -> str:

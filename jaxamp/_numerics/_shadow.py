@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
@@ -50,8 +51,11 @@ def _wide_normal(x: Any) -> Any:
     """``x`` in float32 with its 16-bit zero and subnormal values as zero."""
     if not is_narrow(x):
         return x
-    tiny = np.asarray(jnp.finfo(x.dtype).tiny, x.dtype)
-    return jnp.where(jnp.abs(x) < tiny, jnp.zeros((), x.dtype), x).astype(jnp.float32)
+    # lax, not jnp.where: traced once per input of every twin.
+    tiny = jax.lax.full_like(x, jnp.finfo(x.dtype).tiny)
+    flushed = jax.lax.lt(jax.lax.abs(x), tiny)
+    normal = jax.lax.select(flushed, jax.lax.full_like(x, 0), x)
+    return jax.lax.convert_element_type(normal, jnp.float32)
 
 
 def widened(val: Val) -> Any:

@@ -114,7 +114,13 @@ class Elements:
         )
 
     def _stack(self, values: Sequence[Any]) -> Any:
-        return jnp.stack([jnp.ravel(v).astype(self.dtype) for v in values])
+        # lax, not jnp: jnp's jitted helpers are traced again for every value.
+        rows: dict[int, Any] = {}
+        for v in values:
+            if id(v) not in rows:
+                row = jax.lax.reshape(v, (1, v.size))
+                rows[id(v)] = jax.lax.convert_element_type(row, self.dtype)
+        return jax.lax.concatenate([rows[id(v)] for v in values], 0)
 
     @functools.cached_property
     def _abs_finite(self) -> tuple[Any, Any]:
