@@ -13,7 +13,6 @@ from jaxamp._engine._trace import ARRAY_TYPES
 
 __all__ = [
     "F32",
-    "INTERNAL_SCOPE",
     "QUANTIZE_SCOPE",
     "canonical_float_dtype",
     "cast_floating",
@@ -24,10 +23,6 @@ __all__ = [
 
 # float32: what jaxamp accumulates, widens and keeps precision-sensitive values in.
 F32 = np.dtype(np.float32)
-# The name scope of values jaxamp computes and then discards (the unclamped branch of
-# a saturating cast): numerics_report marks them ``internal`` and never blames them,
-# whatever they hold.
-INTERNAL_SCOPE = "jaxamp_internal"
 # The name scope of an FP8 quantization (amax, scale, scaled saturating cast):
 # numerics_report measures it as one op, its float8 output, not each of its steps.
 QUANTIZE_SCOPE = "jaxamp_quantize"

@@ -37,7 +37,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import INTERNAL_SCOPE, QUANTIZE_SCOPE
+from jaxamp._casting import QUANTIZE_SCOPE
 from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 from jaxamp._engine._visit import sub_path
@@ -75,7 +75,7 @@ class Site(NamedTuple):
     dtype: np.dtype
     shape: tuple[int, ...]
     in_loop: bool
-    internal: bool = False  # jaxamp's own values (a barrier, a discarded branch)
+    internal: bool = False  # jaxamp's own values (autocast's operand barriers)
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -235,11 +235,9 @@ _JAXAMP_DIR = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__fi
 
 
 def _is_internal(eqn: jex.JaxprEqn) -> bool:
-    """jaxamp's own values: a barrier autocast inserted (autocast's matmul operands:
-    moves values), or a value it computes and discards (``INTERNAL_SCOPE``: the
-    unclamped branch of a saturating cast)."""
-    if INTERNAL_SCOPE in str(eqn.source_info.name_stack):
-        return True
+    """jaxamp's own values: a barrier autocast inserted around a matmul's operands
+    (it moves values). autocast computes no value it then discards: its saturating
+    cast chooses in the wider dtype and casts once."""
     frames = compat.source_frames(eqn)
     return (
         eqn.primitive.name == "optimization_barrier"

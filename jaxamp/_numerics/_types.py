@@ -50,12 +50,12 @@ class OpStats:
         normal in the float32 twin, wherever they were flushed (at this op or
         before): how much of this value float16 lost. At least ``underflow_fraction``.
       internal: jaxamp's own value: a barrier that autocast inserted around a
-        matmul's operands (it moves values), or a value autocast computes and
-        discards (the unclamped branch of a saturating cast of an out-of-range
-        float32 constant): in ``ops``, left out of the tables, never
-        ``first_nonfinite``. (The steps of an FP8 quantization, such as the scale
-        of an all-zero group, are not measured at all: the quantization is one
-        op, its float8 output.)
+        matmul's operands (it moves values): in ``ops``, left out of the
+        tables, never ``first_nonfinite``. autocast computes no value it then
+        discards: a saturating cast chooses in float32 and casts once. (The
+        steps of an FP8 quantization, such as the scale of an all-zero group,
+        are not measured at all: the quantization is one op, its float8
+        output.)
       saturated_fraction: for a float8 output, the fraction of values at the
         dtype's largest finite magnitude (``448`` in ``float8_e4m3fn``): clipped
         there by FP8 autocast's saturating cast, or scaled exactly onto it (the
@@ -109,8 +109,8 @@ class NumericsReport:
         non-finite loss, gradient or ``aux`` output. None when no inf/NaN made
         in the program reaches them. An inf that is absorbed on the way (the
         ``-inf`` of a mask after ``softmax``, a ``where`` that discards it,
-        ``tanh(inf)``) is listed in ``absorbed`` instead, and values that
-        autocast computes and discards (``internal``) are never blamed.
+        ``tanh(inf)``) is listed in ``absorbed`` instead, and autocast's
+        ``internal`` barriers are never blamed.
       suggested_loss_scale: with ``grad=True`` and a 16-bit floating op in the
         backward pass, a power of two at which no ``scaled`` op overflows, 8x
         (:data:`SAFETY_FACTOR`) below the largest such power of two; else None.
