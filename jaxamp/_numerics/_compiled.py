@@ -57,6 +57,7 @@ __all__ = [
     "cached",
     "compile_with_fallback",
     "compiler_options",
+    "materializes_values",
 ]
 
 CACHE_SIZE = 32  # programs kept (least recently used dropped first)
@@ -68,6 +69,11 @@ CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # A larger program: LLVM's optimizations on, vectors of at most 64 bits (4 float16
 # values), which LLVM's x86 backend selects without aborting.
 CPU_LARGE_COMPILER_OPTIONS = {"xla_cpu_prefer_vector_width": 64}
+# Both ways: every 16-bit value is rounded to its dtype at the op that makes it, as
+# the jaxpr says, however XLA fuses the program (by default XLA may keep a fused
+# chain's bfloat16/float16 intermediates in float32, and the report's program, whose
+# values are all measured, fuses differently from the step's).
+CPU_EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 # Where XLA still has them (jax 0.10, not 0.12), its classic fused-loop emitters,
 # which compile the report's many small kernels in about half the time of the
 # MLIR fusion emitters (BENCHMARKS.md, "numerics_report: the first call, compile
@@ -144,9 +150,19 @@ def compiler_options(platform: str, values: int = 0) -> dict | None:
         return None
     small = values <= FAST_COMPILE_VALUES
     options = dict(CPU_COMPILER_OPTIONS if small else CPU_LARGE_COMPILER_OPTIONS)
+    options.update(CPU_EXACT_ROUNDING)
     if _accepted(tuple(CPU_CLASSIC_EMITTERS.items())):
         options.update(CPU_CLASSIC_EMITTERS)
     return options
+
+
+def materializes_values(platform: str) -> bool:
+    """Whether the instrumented program keeps each measured value in a buffer of its
+    own: on the CPU where XLA has only its MLIR fusion emitters (jax 0.12), which
+    compile a program with each value computed once in less time (BENCHMARKS.md,
+    "numerics_report: the first call, compile included"); the classic emitters
+    compile it faster without."""
+    return platform == "cpu" and not _accepted(tuple(CPU_CLASSIC_EMITTERS.items()))
 
 
 @functools.cache

@@ -143,12 +143,14 @@ class Recorder:
         clock: Any,
         reached: set,
         quantizing: bool = False,
+        materialize: bool = False,
     ):
         self.sites = sites
         self.scope = scope
         self.clock = (clock, 0)
         self.reached = reached  # the sites measured so far (shared with nested bodies)
         self.quantizing = quantizing  # inside an FP8 quantization (``_sites.in_quantization``)
+        self.materialize = materialize  # each measured value computed once (``measure``)
 
     def now(self) -> Any:
         """The clock as one (traced) int32."""
@@ -157,7 +159,7 @@ class Recorder:
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
         scope = Scope(keys, packed, iteration)
-        return Recorder(self.sites, scope, clock, self.reached, self.quantizing)
+        return Recorder(self.sites, scope, clock, self.reached, self.quantizing, self.materialize)
 
     def keys_under(self, prefix: tuple) -> list[tuple]:
         return [key for key in self.sites if key[0][: len(prefix)] == prefix]
@@ -183,6 +185,15 @@ class Recorder:
             outs = list(jax.lax.optimization_barrier(outs))
         shadows = shadow_outputs(eqn, ins, outs)
         locals_ = local_twins(eqn, ins, outs, shadows)
+        if self.materialize:
+            # Each value, shadow and twin in a buffer of its own: XLA would otherwise
+            # compute a chain of them again inside every kernel that stacks one for
+            # the statistics, which doubled the compile with its MLIR fusion
+            # emitters (BENCHMARKS.md, "numerics_report: the first call, compile
+            # included").
+            outs, shadows, locals_ = jax.lax.optimization_barrier(
+                (list(outs), list(shadows), list(locals_))
+            )
         inputs = [flag for v in ins for flag in self.flags_of(v)]
         vals = []
         for k, (out, shadow) in enumerate(zip(outs, shadows, strict=True)):
@@ -345,14 +356,15 @@ _RULES: dict[str, Callable] = control.structured_rules(
 )
 
 
-def instrumented(closed, sites: Sequence[Site]) -> Callable:
-    """A jitted function of the program's arguments returning ``(floats, ints)`` per site."""
+def instrumented(closed, sites: Sequence[Site], materialize: bool = False) -> Callable:
+    """A jitted function of the program's arguments returning ``(floats, ints)`` per site;
+    ``materialize``: each measured value in a buffer of its own (``Recorder.measure``)."""
     by_key = {site.key: site for site in sites}
     keys = list(by_key)
 
     def run(*args):
         scope = Scope(keys, empty_table(len(keys)), jnp.int32(-1))
-        rec = Recorder(by_key, scope, 0, set())
+        rec = Recorder(by_key, scope, 0, set(), materialize=materialize)
         rec.run(closed, _vals(args, [None] * len(args)), ())
         rec.finished([])
         missing = [key for key in keys if key not in rec.reached]

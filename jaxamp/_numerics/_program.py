@@ -23,7 +23,13 @@ from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
 from jaxamp._engine._trace import flatten_call, is_array
-from jaxamp._numerics._compiled import Compiled, cache_key, cached, compile_with_fallback
+from jaxamp._numerics._compiled import (
+    Compiled,
+    cache_key,
+    cached,
+    compile_with_fallback,
+    materializes_values,
+)
 from jaxamp._numerics._flow import site_graph
 from jaxamp._numerics._instrument import all_finite_flag, instrumented
 from jaxamp._numerics._sites import catalog
@@ -106,7 +112,7 @@ class NumericsProgram:
 
 def _measuring(closed, sites) -> Callable:
     """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite."""
-    measure = instrumented(closed, sites)
+    measure = instrumented(closed, sites, materializes_values(jax.default_backend()))
     return lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a]))
 
 
