@@ -79,10 +79,14 @@ class NumericsProgram:
         return closed, catalog(closed, tainted, out_phases)
 
     def traced(self, inputs: list) -> Compiled:
-        """The instrumented program as a function to trace into a caller's program."""
+        """The instrumented program as a function to trace into a caller's program.
+
+        It is compiled with the caller's options, where XLA may keep a fused chain's
+        16-bit values in float32: each measured value is kept in a buffer of its own,
+        so every one is rounded to its dtype, as in ``compiled``."""
         closed, sites = self.catalogued(inputs)
         return Compiled(
-            _measuring(closed, sites),
+            _measuring(closed, sites, materialize=True),
             sites,
             self.paths(),
             site_graph(closed, (site.key for site in sites)),
@@ -110,9 +114,13 @@ class NumericsProgram:
         return [_arg_path(self.fun, path) for path in self.flat.paths]
 
 
-def _measuring(closed, sites) -> Callable:
-    """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite."""
-    measure = instrumented(closed, sites, materializes_values(jax.default_backend()))
+def _measuring(closed, sites, materialize: bool | None = None) -> Callable:
+    """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite;
+    ``materialize`` (default: ``_compiled.materializes_values``): each measured value
+    in a buffer of its own."""
+    if materialize is None:
+        materialize = materializes_values(jax.default_backend())
+    measure = instrumented(closed, sites, materialize)
     return lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a]))
 
 
