@@ -77,7 +77,7 @@ CPU_EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 # Where XLA still has them (jax 0.10, not 0.12), its classic fused-loop emitters,
 # which compile the report's many small kernels in about half the time of the
 # MLIR fusion emitters (BENCHMARKS.md, "numerics_report: the first call, compile
-# included"); the program computes the same values either way.
+# included"); transcendental functions may differ in the last bit (module docstring).
 CPU_CLASSIC_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 # The measured values (elements of every site, once) up to which a program is
 # compiled unoptimized: the 1-block transformer and the 1-layer GPT of BENCHMARKS.md
@@ -151,7 +151,7 @@ def compiler_options(platform: str, values: int = 0) -> dict | None:
     small = values <= FAST_COMPILE_VALUES
     options = dict(CPU_COMPILER_OPTIONS if small else CPU_LARGE_COMPILER_OPTIONS)
     options.update(CPU_EXACT_ROUNDING)
-    if _accepted(tuple(CPU_CLASSIC_EMITTERS.items())):
+    if _has_classic_emitters():
         options.update(CPU_CLASSIC_EMITTERS)
     return options
 
@@ -162,14 +162,14 @@ def materializes_values(platform: str) -> bool:
     compile a program with each value computed once in less time (BENCHMARKS.md,
     "numerics_report: the first call, compile included"); the classic emitters
     compile it faster without."""
-    return platform == "cpu" and not _accepted(tuple(CPU_CLASSIC_EMITTERS.items()))
+    return platform == "cpu" and not _has_classic_emitters()
 
 
 @functools.cache
-def _accepted(options: tuple) -> bool:
-    """Whether this XLA knows the compile ``options`` (asked once, on a tiny program)."""
+def _has_classic_emitters() -> bool:
+    """Whether this XLA knows ``CPU_CLASSIC_EMITTERS`` (asked once, on a tiny program)."""
     try:
-        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(dict(options))
+        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(dict(CPU_CLASSIC_EMITTERS))
     except Exception:  # "No such compile option": XLA dropped it
         return False
     return True

@@ -188,9 +188,8 @@ class Recorder:
         if self.materialize:
             # Each value, shadow and twin in a buffer of its own: XLA would otherwise
             # compute a chain of them again inside every kernel that stacks one for
-            # the statistics, which doubled the compile with its MLIR fusion
-            # emitters (BENCHMARKS.md, "numerics_report: the first call, compile
-            # included").
+            # the statistics, which its MLIR fusion emitters compile slowly
+            # (BENCHMARKS.md, "numerics_report: the first call, compile included").
             outs, shadows, locals_ = jax.lax.optimization_barrier(
                 (list(outs), list(shadows), list(locals_))
             )

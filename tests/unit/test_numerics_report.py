@@ -190,6 +190,22 @@ def test_each_value_in_a_buffer_of_its_own_reports_the_same(monkeypatch, policy)
     assert plain.suggested_loss_scale == materialized.suggested_loss_scale
 
 
+def test_the_cpu_program_is_built_one_way_or_the_other():
+    # Exact rounding on every CPU program; the classic emitters where this XLA has
+    # them (jax 0.10), else each value in a buffer of its own (jax 0.12); nothing
+    # of it off the CPU.
+    from jaxamp._numerics import _compiled
+
+    for values in (0, _compiled.FAST_COMPILE_VALUES + 1):
+        options = _compiled.compiler_options("cpu", values)
+        assert options["xla_allow_excess_precision"] is False
+        classic = "xla_cpu_use_fusion_emitters" in options
+        assert classic != _compiled.materializes_values("cpu")
+    assert classic == (tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12))
+    assert _compiled.compiler_options("gpu") is None
+    assert not _compiled.materializes_values("gpu")
+
+
 def _scaled_loss(w, x):
     return jnp.sum(jnp.tanh(x @ w))
 

@@ -56,6 +56,7 @@ def test_outputs_of_mixed_dtypes_stacked_as_rows_keep_their_own_statistics():
         _stats.Output(f32, shadow32),
         _stats.Output(fp8),
         _stats.Output(f16),
+        _stats.Output(f16, shadow16),  # a twin along the program, none of its own
     ]
     stacked = _stats.reduce_rows(_stats.Elements(outputs))
     for row, output in enumerate(outputs):
@@ -63,10 +64,10 @@ def test_outputs_of_mixed_dtypes_stacked_as_rows_keep_their_own_statistics():
         assert [float(col[row]) for col in stacked] == [float(v) for v in alone], row
     names = [s.name for s in _stats.STATISTICS]
     got = {n: [float(v) for v in col] for n, col in zip(names, stacked, strict=True)}
-    assert got["underflow"] == [1, 0, 0, 0]  # float32 flushes nothing it did not lose
-    assert got["lost"] == [2, 1, 0, 0]  # 1e-6 and the 0 in float16; 1e-39 in float32
-    assert got["saturated"] == [0, 0, 2, 0]
-    assert got["max_abs_float32"] == [9.0, 4.0, 448.0, 2.0]
+    assert got["underflow"] == [1, 0, 0, 0, 2]  # float32 flushes nothing it did not lose
+    assert got["lost"] == [2, 1, 0, 0, 2]  # 1e-6 and the 0 in float16; 1e-39 in float32
+    assert got["saturated"] == [0, 0, 2, 0, 0]
+    assert got["max_abs_float32"] == [9.0, 4.0, 448.0, 2.0, 9.0]
 
 
 def test_accumulate_and_unpack_row_round_trip():
