@@ -159,7 +159,9 @@ def _concrete(value: Any) -> np.ndarray | None:
     if isinstance(value, (np.ndarray, np.generic)):
         return np.asarray(value)
     concrete = isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
-    if concrete and value.size <= 4096:  # a constant worth looking at, not a weight matrix
+    # A typed PRNG key (an extended dtype) has no NumPy values to look at.
+    numeric = concrete and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended)
+    if numeric and value.size <= 4096:  # a constant worth looking at, not a weight matrix
         return np.asarray(value)
     return None
 

@@ -49,12 +49,10 @@ def _inner_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
     name = eqn.primitive.name
     if name in compat.JIT_NAMES:
         return compat.jit_parts(eqn).jaxpr
-    if name in compat.CALL_NAMES:
-        return compat.call_jaxpr(eqn)
+    if name in compat.CALL_NAMES or name == "custom_jvp_call":
+        return compat.call_jaxpr(eqn)  # a custom_jvp call's primal body, as autocast runs it
     if name in compat.REMAT_NAMES:
         return compat.remat_parts(eqn).jaxpr
-    if name == "custom_jvp_call":
-        return compat.custom_call_jaxpr(eqn)
     return None
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import jaxamp
 from jaxamp._engine import _compat as compat
-from tests.helpers import rel_err
+from tests.helpers import bits, rel_err
 
 F32 = jnp.dtype(jnp.float32)
 
@@ -305,3 +305,19 @@ def test_scatters_into_a_float32_buffer_accumulate_in_float32(policy, name):
     assert all(e.invars[2].aval.dtype == F32 for e in scatters)
     grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jaxamp.autocast(fun, policy)(w, x))))(w, x)
     assert np.isfinite(np.asarray(grad)).all()
+
+
+def test_a_typed_prng_key_closed_over_by_an_outer_jit_is_not_a_constant_to_look_at():
+    # Regression: a typed key that is a constant of the trace reached the check
+    # for constants beyond the compute dtype's range, which read it as NumPy.
+    key = jax.random.key(1)
+    reparam = jax.jit(lambda rng, m: m + jax.random.normal(rng, m.shape))
+    f = jaxamp.autocast(lambda w, x, k: jnp.sum(reparam(k, x @ w)), "mixed_float16")
+    x, w = _rng(0, 4, 8), _rng(1, 8, 8)
+    closed_over = jax.jit(jax.value_and_grad(lambda w: f(w, x, key)))(w)
+    as_argument = jax.jit(jax.value_and_grad(lambda w, k: f(w, x, k)))(w, key)
+    assert bits(closed_over) == bits(as_argument)
+    # The product ran in float16, and the noise was drawn as traced (float32).
+    hand = x.astype(jnp.float16) @ w.astype(jnp.float16)
+    want = jnp.sum(hand.astype(F32) + jax.random.normal(key, (4, 8)))
+    assert rel_err(closed_over[0], want) < 1e-3

@@ -10,10 +10,12 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 from jaxamp._engine._trace import trace
 from jaxamp._fp8._scales import _compiled_elsewhere, weight_operands
+from tests.helpers import bits, dot_dtypes
 
 
 def _operand_inputs(fn, *args) -> list[int | None]:
@@ -54,6 +56,42 @@ def test_a_jitted_layer_called_on_two_weights_has_no_single_weight():
 
     w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
     assert _operand_inputs(fn, w, w, x) == [None, None]
+
+
+def test_weight_operands_are_seen_through_a_custom_jvp_call():
+    # Regression: the pre-pass read custom_jvp bodies through a helper the engine
+    # no longer had, so "mixed_float8" crashed on any model with jax.nn.relu.
+    @jax.custom_jvp
+    def layer(w, x):
+        return x @ w
+
+    layer.defjvp(lambda p, t: (layer(*p), t[1] @ p[0] + p[1] @ t[0]))
+
+    def fn(w, x):
+        return jax.nn.relu(layer(w, x))
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    assert _operand_inputs(fn, w, x) == [1, 0]
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_mixed_float8_runs_a_custom_jvp_activation_as_its_plain_twin(scaling):
+    # The reproducer: relu is a custom_jvp; jnp.maximum the same function without one.
+    def loss(act):
+        return lambda w, x: jnp.sum(act(x @ w) @ w)
+
+    w, x = (
+        jnp.asarray(np.random.default_rng(0).standard_normal((32, 32)), jnp.float32),
+        jnp.ones((8, 32)),
+    )
+    recipe = jaxamp.Float8Recipe(scaling=scaling)
+    relu = jax.jit(jax.value_and_grad(jaxamp.autocast(loss(jax.nn.relu), recipe)))(w, x)
+    plain = jax.jit(jax.value_and_grad(jaxamp.autocast(loss(lambda h: jnp.maximum(h, 0)), recipe)))
+    assert bits(relu) == bits(plain(w, x))
+    assert (
+        dot_dtypes(jaxamp.autocast(loss(jax.nn.relu), recipe), w, x)
+        == [("float8_e4m3fn", "float8_e4m3fn")] * 2
+    )
 
 
 def test_reduce_dtype_is_the_weight_gradient_product_dtype():
