@@ -42,11 +42,14 @@ __all__ = [
 ]
 
 # Opcodes a parameter passes through unchanged in what matters here (its elements),
-# on its way to a collective: casts, layout changes, and the elementwise steps of
-# a quantization (scale, clamp, round).
+# on its way to a collective: casts, layout changes (a broadcast that keeps the
+# element count only adds unit dimensions), barriers, and the elementwise steps
+# of a quantization (scale, clamp, round).
 _FOLLOWED = frozenset(
     {
         "convert",
+        "broadcast",
+        "opt-barrier",
         "copy",
         "bitcast",
         "bitcast-convert",
