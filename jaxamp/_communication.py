@@ -66,6 +66,9 @@ _FOLLOWED = frozenset(
     }
 )
 _JAXAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+# A gather is small (CommunicationReport.small_gathers) when it is a vector at
+# most this many times smaller than the program's largest all-gather.
+_SMALL_GATHER_RATIO = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,31 @@ class CommunicationReport:
     num_devices: int
     hlo: str = dataclasses.field(repr=False)
 
+    @property
+    def small_gathers(self) -> tuple[Collective, ...]:
+        """The all-gathers too small for a dtype decision, in program order.
+
+        A gather is small when its shape is a vector (at most one dimension
+        above 1: a norm's scale, a bias) and it is at least 16 times smaller
+        than the program's largest all-gather. A width-``d`` vector is about ``1/d`` of a ``d x d``
+        matrix's bytes, so all of a model's vectors together are about
+        ``1/d`` of its gathered bytes whatever their dtype; the ratio keeps a
+        program whose gathers are all vectors (a flattened parameter buffer)
+        from having only small ones. ``str(report)`` marks them, and
+        :func:`jaxamp.testing.assert_gathers_in` does not judge them.
+
+        >>> report = CommunicationReport((), 0, 1, "")
+        >>> report.small_gathers
+        ()
+        """
+        gathers = [c for c in self.collectives if c.kind == "all-gather"]
+        largest = max((c.bytes for c in gathers), default=0)
+        return tuple(
+            c
+            for c in gathers
+            if sum(d > 1 for d in c.shape) <= 1 and c.bytes * _SMALL_GATHER_RATIO <= largest
+        )
+
     def bytes_by(self, kind: str | None = None, dtype: Any = None) -> int:
         """Total bytes of the collectives of one kind and/or dtype (None: all).
 
@@ -175,26 +203,40 @@ class CommunicationReport:
         rows.append(
             ("total", "", str(len(self.collectives)), str(everything), self._per_param(everything))
         )
-        lines = [
-            f"communication on {self.num_devices} devices, "
-            f"{self.param_count} parameters (floating elements of the first argument)",
-            *_table(rows),
-            "",
-            *_table(
-                [("kind", "dtype", "shape", "bytes", "source")]
-                + [
-                    (
-                        c.kind,
-                        c.dtype.name,
-                        "x".join(map(str, c.shape)) or "()",
-                        str(c.bytes),
-                        c.source,
-                    )
-                    for c in self.collectives
-                ]
-            ),
+        small = {id(c) for c in self.small_gathers}
+        listing = [("kind", "dtype", "shape", "bytes", "source", "")] + [
+            (
+                c.kind,
+                c.dtype.name,
+                "x".join(map(str, c.shape)) or "()",
+                str(c.bytes),
+                c.source,
+                "small" if id(c) in small else "",
+            )
+            for c in self.collectives
         ]
-        return "\n".join(lines)
+        return "\n".join(
+            [
+                f"communication on {self.num_devices} devices, "
+                f"{self.param_count} parameters (floating elements of the first argument)",
+                *_table(rows),
+                "",
+                *_table(listing),
+                *self._small_note(),
+            ]
+        )
+
+    def _small_note(self) -> list[str]:
+        small = self.small_gathers
+        if not small:
+            return []
+        total = sum(c.bytes for c in small)
+        return [
+            "",
+            f"small: {len(small)} all-gathers of vectors, each at least {_SMALL_GATHER_RATIO}x "
+            f"smaller than the largest ({total} bytes, {self._per_param(total)} B/param "
+            "together): not worth a dtype decision",
+        ]
 
     def _per_param(self, total: int) -> str:
         return f"{total / self.param_count:.2f}" if self.param_count else "-"
