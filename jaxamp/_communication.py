@@ -43,13 +43,17 @@ __all__ = [
 
 # Opcodes a parameter passes through unchanged in what matters here (its elements),
 # on its way to a collective: casts, layout changes (a broadcast that keeps the
-# element count only adds unit dimensions), barriers, and the elementwise steps
-# of a quantization (scale, clamp, round).
+# element count only adds unit dimensions), barriers, the elementwise steps of a
+# quantization (scale, clamp, round) and a shift (a norm's ``x * (1 + scale)``).
+# An operand of another size (a broadcast constant) is not followed, and a
+# collective whose data reaches two parameters names neither.
 _FOLLOWED = frozenset(
     {
         "convert",
         "broadcast",
         "opt-barrier",
+        "add",
+        "subtract",
         "copy",
         "bitcast",
         "bitcast-convert",

@@ -159,7 +159,8 @@ def test_assertions_list_the_offenders_and_fail_on_nothing():
 # XLA's newer text (jax 0.12): a read of one tuple element is ``%name#i`` in the
 # reader's operands, with no get-tuple-element of its own. The weight reaches
 # its gather through a cast and autocast's operand barrier, a bias through a
-# broadcast that adds a unit dimension, a scale through a one-value barrier.
+# broadcast that adds a unit dimension, a norm's scale through ``1 + scale``
+# and a one-value barrier.
 _SHORT_FORM = """HloModule m, num_partitions=4
 
 ENTRY %main (w: f32[2,8], b: f32[8], s: f32[8]) -> f32[] {
@@ -180,7 +181,10 @@ ENTRY %main (w: f32[2,8], b: f32[8], s: f32[8]) -> f32[] {
   %bb = bf16[1,8]{1,0} broadcast(%bc), dimensions={0,1}
   %v = bf16[8]{0} reshape(%bb)
   %agb = bf16[32]{0} all-gather(%v), dimensions={0}
-  %os = f32[8]{0} opt-barrier(%s)
+  %one = f32[] constant(1)
+  %ones = f32[8]{0} broadcast(%one), dimensions={}
+  %shift = f32[8]{0} add(%s, %ones)
+  %os = f32[8]{0} opt-barrier(%shift)
   %ags = f32[32]{0} all-gather(%os), dimensions={0}
   %agz = f32[32]{0} all-gather(%lo), dimensions={0}
   ROOT %out = f32[] constant(0)
