@@ -43,35 +43,17 @@ __all__ = [
 
 # Opcodes a parameter passes through unchanged in what matters here (its elements),
 # on its way to a collective: casts, layout changes (a broadcast that keeps the
-# element count only adds unit dimensions), barriers, the elementwise steps of a
-# quantization (scale, clamp, round) and a shift (a norm's ``x * (1 + scale)``).
+# element count only adds unit dimensions) and barriers, the elementwise steps
+# of a quantization (scale, clamp, round) and a shift (a norm's ``1 + scale``).
 # An operand of another size (a broadcast constant) is not followed, and a
 # collective whose data reaches two parameters names neither.
-_FOLLOWED = frozenset(
-    {
-        "convert",
-        "broadcast",
-        "opt-barrier",
-        "add",
-        "subtract",
-        "copy",
-        "bitcast",
-        "bitcast-convert",
-        "reshape",
-        "transpose",
-        "multiply",
-        "divide",
-        "clamp",
-        "round-nearest-even",
-        "round-nearest-afz",
-        "maximum",
-        "minimum",
-        "select",
-    }
-)
+_CASTS = ("convert", "copy", "bitcast", "bitcast-convert")
+_LAYOUTS = ("reshape", "transpose", "broadcast", "opt-barrier")
+_SCALINGS = ("multiply", "divide", "add", "subtract", "round-nearest-even", "round-nearest-afz")
+_FOLLOWED = frozenset((*_CASTS, *_LAYOUTS, *_SCALINGS, "clamp", "maximum", "minimum", "select"))
 _JAXAMP_DIR = os.path.dirname(os.path.abspath(__file__))
-# A gather is small (CommunicationReport.small_gathers) when it is a vector at
-# most this many times smaller than the program's largest all-gather.
+# CommunicationReport.small_gathers: vectors at least this many times smaller
+# than the largest all-gather.
 _SMALL_GATHER_RATIO = 16
 
 
@@ -88,7 +70,8 @@ class Collective:
       bytes: the bytes of that shape (one device's view of the logical tensor).
       parameter: the argument the collective's data comes from (e.g.
         ``"params['w1']"``) when it is one followed through casts, layout
-        changes and elementwise scaling; else ``None``.
+        changes, optimization barriers and elementwise scaling or shifts;
+        else ``None``.
       op_name: JAX's name of the operation that caused it (e.g.
         ``"jit(step)/transpose(jvp())/dot_general"``).
       location: ``file:line`` of the user code that caused it (the innermost
@@ -141,17 +124,13 @@ class CommunicationReport:
     def small_gathers(self) -> tuple[Collective, ...]:
         """The all-gathers too small for a dtype decision, in program order.
 
-        A gather is small when its shape is a vector (at most one dimension
-        above 1: a norm's scale, a bias) and it is at least 16 times smaller
-        than the program's largest all-gather. A width-``d`` vector is about ``1/d`` of a ``d x d``
-        matrix's bytes, so all of a model's vectors together are about
-        ``1/d`` of its gathered bytes whatever their dtype; the ratio keeps a
-        program whose gathers are all vectors (a flattened parameter buffer)
-        from having only small ones. ``str(report)`` marks them, and
-        :func:`jaxamp.testing.assert_gathers_in` does not judge them.
+        Those whose shape is a vector (at most one dimension above 1: a norm's
+        scale, a bias) at least 16 times smaller than the program's largest
+        all-gather (the rule and why: docs/many-devices.md, "Small gathers").
+        ``str(report)`` marks them; :func:`jaxamp.testing.assert_gathers_in`
+        does not judge them.
 
-        >>> report = CommunicationReport((), 0, 1, "")
-        >>> report.small_gathers
+        >>> CommunicationReport((), 0, 1, "").small_gathers
         ()
         """
         gathers = [c for c in self.collectives if c.kind == "all-gather"]
@@ -232,15 +211,13 @@ class CommunicationReport:
 
     def _small_note(self) -> list[str]:
         small = self.small_gathers
-        if not small:
-            return []
         total = sum(c.bytes for c in small)
-        return [
-            "",
+        note = (
             f"small: {len(small)} all-gathers of vectors, each at least {_SMALL_GATHER_RATIO}x "
             f"smaller than the largest ({total} bytes, {self._per_param(total)} B/param "
-            "together): not worth a dtype decision",
-        ]
+            "together): not worth a dtype decision"
+        )
+        return ["", note] if small else []
 
     def _per_param(self, total: int) -> str:
         return f"{total / self.param_count:.2f}" if self.param_count else "-"
