@@ -76,6 +76,9 @@ class Collective:
         ``"jit(step)/transpose(jvp())/dot_general"``).
       location: ``file:line`` of the user code that caused it (the innermost
         frame outside jaxamp), when the program records it.
+      parameter_dtype: that argument's dtype (``None`` without ``parameter``):
+        an integer one (token ids) is data, not a parameter whose wire dtype
+        a policy decides.
     """
 
     kind: str
@@ -85,6 +88,7 @@ class Collective:
     parameter: str | None
     op_name: str
     location: str | None
+    parameter_dtype: np.dtype | None = None
 
     @property
     def backward(self) -> bool:
@@ -302,17 +306,19 @@ def _describe(inst: HloInstruction, module: HloModule) -> list[Collective]:
         else [list(inst.operands)] * len(types)
     )
     location = _user_location(inst, module)
+    sources = [_parameter_source(start, module) or (None, None) for start in starts]
     return [
         Collective(
             kind=str(kind),
             dtype=hlo_dtype(dtype),
             shape=shape,
             bytes=math.prod(shape) * hlo_dtype(dtype).itemsize,
-            parameter=_parameter_source(start, module),
+            parameter=parameter,
             op_name=inst.op_name,
             location=location,
+            parameter_dtype=parameter_dtype,
         )
-        for (dtype, shape), start in zip(types, starts, strict=True)
+        for (dtype, shape), (parameter, parameter_dtype) in zip(types, sources, strict=True)
     ]
 
 
@@ -332,9 +338,12 @@ def _wire_types(inst: HloInstruction, kind: str | None, module: HloModule) -> tu
     return tuple(operand_types) or inst.types
 
 
-def _parameter_source(operands: list[str], module: HloModule) -> str | None:
-    """The one entry parameter whose elements reach ``operands``, through :data:`_FOLLOWED` ops."""
-    found: set[str] = set()
+def _parameter_source(operands: list[str], module: HloModule) -> tuple[str, Any] | None:
+    """Name and dtype of the one entry parameter whose elements reach ``operands``.
+
+    Through :data:`_FOLLOWED` ops; the dtype is None where HLO's has no NumPy twin.
+    """
+    found: dict[str, Any] = {}
     stack = [(name, 0) for name in operands]
     seen: set[str] = set()
     while stack:
@@ -347,7 +356,8 @@ def _parameter_source(operands: list[str], module: HloModule) -> str | None:
             element = module.tuple_element(node)
             stack.extend([(element, depth + 1)] if element else [])
         elif node.opcode == "parameter" and node.computation == module.entry:
-            found.add(node.op_name or f"argument {node.parameter_number}")
+            name = node.op_name or f"argument {node.parameter_number}"
+            found[name] = _known_dtype(node.types[0][0]) if len(node.types) == 1 else None
         elif node.opcode == "parameter":
             stack.extend((o, depth + 1) for o in module.call_arguments(node))
         elif node.opcode in _FOLLOWED:
@@ -359,7 +369,14 @@ def _parameter_source(operands: list[str], module: HloModule) -> str | None:
                 for o in node.operands
                 if o in module.instructions and _elements(module.instructions[o]) == size
             )
-    return found.pop() if len(found) == 1 else None
+    return found.popitem() if len(found) == 1 else None
+
+
+def _known_dtype(name: str) -> np.dtype | None:
+    try:
+        return hlo_dtype(name)
+    except ValueError:  # a token, an opaque type
+        return None
 
 
 def _elements(inst: HloInstruction) -> int:

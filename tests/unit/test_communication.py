@@ -79,6 +79,12 @@ def test_reads_each_collective_form_with_its_bytes_and_source():
         ("reduce-scatter", "float32", (8, 8), 256, "g"),  # the full input
         ("collective-permute", "float32", (8, 8), 256, "g"),
     ]
+    # The argument's own dtype, beside the wire's.
+    assert [(c.parameter, c.parameter_dtype) for c in _collectives()[:3]] == [
+        ("params['w']", np.float32),
+        ("g", np.float32),
+        ("h", jnp.bfloat16),
+    ]
     gather, reduce = _collectives()[:2]
     # The innermost frame outside jaxamp; else the metadata's own source line.
     assert gather.location == "/home/user/model.py:7"
@@ -251,6 +257,14 @@ def test_assert_gathers_in_judges_floating_parameters_and_lists_the_rest():
         "1 of 1 (floating parameter all-gather) not in float32:\n"
         "  all-gather bfloat16[32,32] from w" + not_judged
     )
+    # A float32 weight quantized to int8 for the wire is a parameter: judged.
+    int8 = dataclasses.replace(
+        matrix, dtype=np.dtype(np.int8), bytes=1024, parameter_dtype=np.dtype(np.float32)
+    )
+    with pytest.raises(AssertionError, match=r"1 of 2 .*\n  all-gather int8\[32,32\] from w\n"):
+        assert_gathers_in(
+            dataclasses.replace(report, collectives=(*report.collectives, int8)), jnp.bfloat16
+        )
     # Only integer and small parameter gathers (next to an activation's):
     # nothing judged, which fails and says why.
     activation = dataclasses.replace(matrix, parameter=None)
