@@ -42,27 +42,19 @@ __all__ = [
 ]
 
 # Opcodes a parameter passes through unchanged in what matters here (its elements),
-# on its way to a collective: casts, layout changes, and the elementwise steps of
-# a quantization (scale, clamp, round).
-_FOLLOWED = frozenset(
-    {
-        "convert",
-        "copy",
-        "bitcast",
-        "bitcast-convert",
-        "reshape",
-        "transpose",
-        "multiply",
-        "divide",
-        "clamp",
-        "round-nearest-even",
-        "round-nearest-afz",
-        "maximum",
-        "minimum",
-        "select",
-    }
-)
+# on its way to a collective: casts, layout changes (a broadcast that keeps the
+# element count only adds unit dimensions) and barriers, the elementwise steps
+# of a quantization (scale, clamp, round) and a shift (a norm's ``1 + scale``).
+# An operand of another size (a broadcast constant) is not followed, and a
+# collective whose data reaches two parameters names neither.
+_CASTS = ("convert", "copy", "bitcast", "bitcast-convert")
+_LAYOUTS = ("reshape", "transpose", "broadcast", "opt-barrier")
+_SCALINGS = ("multiply", "divide", "add", "subtract", "round-nearest-even", "round-nearest-afz")
+_FOLLOWED = frozenset((*_CASTS, *_LAYOUTS, *_SCALINGS, "clamp", "maximum", "minimum", "select"))
 _JAXAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+# CommunicationReport.small_gathers: vectors at least this many times smaller
+# than the largest all-gather.
+_SMALL_GATHER_RATIO = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +70,15 @@ class Collective:
       bytes: the bytes of that shape (one device's view of the logical tensor).
       parameter: the argument the collective's data comes from (e.g.
         ``"params['w1']"``) when it is one followed through casts, layout
-        changes and elementwise scaling; else ``None``.
+        changes, optimization barriers and elementwise scaling or shifts;
+        else ``None``.
       op_name: JAX's name of the operation that caused it (e.g.
         ``"jit(step)/transpose(jvp())/dot_general"``).
       location: ``file:line`` of the user code that caused it (the innermost
         frame outside jaxamp), when the program records it.
+      parameter_dtype: that argument's dtype (``None`` without ``parameter``):
+        an integer one (token ids) is data, not a parameter whose wire dtype
+        a policy decides.
     """
 
     kind: str
@@ -92,6 +88,7 @@ class Collective:
     parameter: str | None
     op_name: str
     location: str | None
+    parameter_dtype: np.dtype | None = None
 
     @property
     def backward(self) -> bool:
@@ -126,6 +123,27 @@ class CommunicationReport:
     param_count: int
     num_devices: int
     hlo: str = dataclasses.field(repr=False)
+
+    @property
+    def small_gathers(self) -> tuple[Collective, ...]:
+        """The all-gathers too small for a dtype decision, in program order.
+
+        Those whose shape is a vector (at most one dimension above 1: a norm's
+        scale, a bias) at least 16 times smaller than the program's largest
+        all-gather (the rule and why: docs/many-devices.md, "Small gathers").
+        ``str(report)`` marks them; :func:`jaxamp.testing.assert_gathers_in`
+        does not judge them.
+
+        >>> CommunicationReport((), 0, 1, "").small_gathers
+        ()
+        """
+        gathers = [c for c in self.collectives if c.kind == "all-gather"]
+        largest = max((c.bytes for c in gathers), default=0)
+        return tuple(
+            c
+            for c in gathers
+            if sum(d > 1 for d in c.shape) <= 1 and c.bytes * _SMALL_GATHER_RATIO <= largest
+        )
 
     def bytes_by(self, kind: str | None = None, dtype: Any = None) -> int:
         """Total bytes of the collectives of one kind and/or dtype (None: all).
@@ -172,26 +190,38 @@ class CommunicationReport:
         rows.append(
             ("total", "", str(len(self.collectives)), str(everything), self._per_param(everything))
         )
-        lines = [
-            f"communication on {self.num_devices} devices, "
-            f"{self.param_count} parameters (floating elements of the first argument)",
-            *_table(rows),
-            "",
-            *_table(
-                [("kind", "dtype", "shape", "bytes", "source")]
-                + [
-                    (
-                        c.kind,
-                        c.dtype.name,
-                        "x".join(map(str, c.shape)) or "()",
-                        str(c.bytes),
-                        c.source,
-                    )
-                    for c in self.collectives
-                ]
-            ),
+        small = {id(c) for c in self.small_gathers}
+        listing = [("kind", "dtype", "shape", "bytes", "source", "")] + [
+            (
+                c.kind,
+                c.dtype.name,
+                "x".join(map(str, c.shape)) or "()",
+                str(c.bytes),
+                c.source,
+                "small" if id(c) in small else "",
+            )
+            for c in self.collectives
         ]
-        return "\n".join(lines)
+        return "\n".join(
+            [
+                f"communication on {self.num_devices} devices, "
+                f"{self.param_count} parameters (floating elements of the first argument)",
+                *_table(rows),
+                "",
+                *_table(listing),
+                *self._small_note(),
+            ]
+        )
+
+    def _small_note(self) -> list[str]:
+        small = self.small_gathers
+        total = sum(c.bytes for c in small)
+        note = (
+            f"small: {len(small)} all-gathers of vectors, each at least {_SMALL_GATHER_RATIO}x "
+            f"smaller than the largest ({total} bytes, {self._per_param(total)} B/param "
+            "together): not worth a dtype decision"
+        )
+        return ["", note] if small else []
 
     def _per_param(self, total: int) -> str:
         return f"{total / self.param_count:.2f}" if self.param_count else "-"
@@ -276,17 +306,19 @@ def _describe(inst: HloInstruction, module: HloModule) -> list[Collective]:
         else [list(inst.operands)] * len(types)
     )
     location = _user_location(inst, module)
+    sources = [_parameter_source(start, module) or (None, None) for start in starts]
     return [
         Collective(
             kind=str(kind),
             dtype=hlo_dtype(dtype),
             shape=shape,
             bytes=math.prod(shape) * hlo_dtype(dtype).itemsize,
-            parameter=_parameter_source(start, module),
+            parameter=parameter,
             op_name=inst.op_name,
             location=location,
+            parameter_dtype=parameter_dtype,
         )
-        for (dtype, shape), start in zip(types, starts, strict=True)
+        for (dtype, shape), (parameter, parameter_dtype) in zip(types, sources, strict=True)
     ]
 
 
@@ -306,9 +338,12 @@ def _wire_types(inst: HloInstruction, kind: str | None, module: HloModule) -> tu
     return tuple(operand_types) or inst.types
 
 
-def _parameter_source(operands: list[str], module: HloModule) -> str | None:
-    """The one entry parameter whose elements reach ``operands``, through :data:`_FOLLOWED` ops."""
-    found: set[str] = set()
+def _parameter_source(operands: list[str], module: HloModule) -> tuple[str, Any] | None:
+    """Name and dtype of the one entry parameter whose elements reach ``operands``.
+
+    Through :data:`_FOLLOWED` ops; the dtype is None where HLO's has no NumPy twin.
+    """
+    found: dict[str, Any] = {}
     stack = [(name, 0) for name in operands]
     seen: set[str] = set()
     while stack:
@@ -321,7 +356,8 @@ def _parameter_source(operands: list[str], module: HloModule) -> str | None:
             element = module.tuple_element(node)
             stack.extend([(element, depth + 1)] if element else [])
         elif node.opcode == "parameter" and node.computation == module.entry:
-            found.add(node.op_name or f"argument {node.parameter_number}")
+            name = node.op_name or f"argument {node.parameter_number}"
+            found[name] = _known_dtype(node.types[0][0]) if len(node.types) == 1 else None
         elif node.opcode == "parameter":
             stack.extend((o, depth + 1) for o in module.call_arguments(node))
         elif node.opcode in _FOLLOWED:
@@ -333,7 +369,14 @@ def _parameter_source(operands: list[str], module: HloModule) -> str | None:
                 for o in node.operands
                 if o in module.instructions and _elements(module.instructions[o]) == size
             )
-    return found.pop() if len(found) == 1 else None
+    return found.popitem() if len(found) == 1 else None
+
+
+def _known_dtype(name: str) -> np.dtype | None:
+    try:
+        return hlo_dtype(name)
+    except ValueError:  # a token, an opaque type
+        return None
 
 
 def _elements(inst: HloInstruction) -> int:

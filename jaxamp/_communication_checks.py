@@ -15,17 +15,23 @@ __all__ = ["assert_gathers_in", "assert_reduces_in"]
 def assert_gathers_in(
     target: Any, dtype: Any, args: tuple | list = (), kwargs: dict | None = None
 ) -> CommunicationReport:
-    """Asserts that every parameter all-gather carries ``dtype``.
+    """Asserts that every all-gather of a floating parameter carries ``dtype``.
 
     A parameter all-gather is one whose data is an argument of the program
     (:attr:`Collective.parameter` is set): casts, layout changes and the
     elementwise steps of a quantization between the two are allowed. With
-    FSDP-style sharding that is each weight's gather before its use; the
-    assertion fails too when there is none (it could not fail otherwise).
+    FSDP-style sharding that is each weight's gather before its use. Two kinds
+    are not judged, and a failure's message lists them under ``not judged``:
+    gathers of integer or boolean arguments (token ids, masks: the partitioner
+    may gather them too; no policy sets their dtype) and the
+    :attr:`CommunicationReport.small_gathers` (vectors such as a norm's scale,
+    which autocast keeps in float32 when it multiplies float32 statistics).
+    Read ``report.collectives`` to check those. The assertion fails too when
+    nothing is left to judge (it could not fail otherwise).
 
     Args:
       target: a :class:`CommunicationReport`, or a function to report on.
-      dtype: the dtype every parameter all-gather must carry (e.g.
+      dtype: the dtype every floating parameter all-gather must carry (e.g.
         ``policy.gather_dtype``).
       args: the function's positional arguments (with a report: empty).
       kwargs: its keyword arguments.
@@ -34,19 +40,32 @@ def assert_gathers_in(
       The report, for further checks.
 
     Raises:
-      AssertionError: listing the parameter all-gathers in another dtype.
+      AssertionError: listing the parameter all-gathers in another dtype, then
+        those not judged.
 
     >>> import jaxamp
     >>> from jaxamp.testing import assert_gathers_in
     >>> empty = jaxamp.CommunicationReport((), 0, 1, "")
     >>> assert_gathers_in(empty, "bfloat16")
     Traceback (most recent call last):
-    AssertionError: no all-gather of a parameter in the program (1 devices); nothing to check.
+    AssertionError: no floating parameter all-gather in the program (1 devices); nothing to check.
     """
     report = _report_of(target, args, kwargs)
     wanted = as_dtype(dtype, "dtype")
-    gathers = [c for c in report.collectives if c.kind == "all-gather" and c.parameter]
-    _check_all_in(report, gathers, wanted, "all-gather of a parameter")
+    small = {id(c) for c in report.small_gathers}
+    gathers, skipped = [], []
+    for c in report.collectives:
+        if c.kind != "all-gather" or not c.parameter:
+            continue
+        # The argument's own dtype where known: a float weight quantized to an
+        # integer for the wire is still judged.
+        if not jnp.issubdtype(c.parameter_dtype or c.dtype, jnp.floating):
+            skipped.append((c, "not floating"))
+        elif id(c) in small:
+            skipped.append((c, "small"))
+        else:
+            gathers.append(c)
+    _check_all_in(report, gathers, wanted, "floating parameter all-gather", skipped)
     return report
 
 
@@ -104,17 +123,26 @@ def _report_of(target: Any, args: Any, kwargs: Any) -> CommunicationReport:
 
 
 def _check_all_in(
-    report: CommunicationReport, found: list[Collective], wanted: np.dtype, what: str
+    report: CommunicationReport,
+    found: list[Collective],
+    wanted: np.dtype,
+    what: str,
+    skipped: list[tuple[Collective, str]] = (),
 ) -> None:
+    not_judged = "".join(f"\n  {_line(c)} ({why})" for c, why in skipped)
+    not_judged = f"\nnot judged ({len(skipped)}):{not_judged}" if skipped else ""
     if not found:
         raise AssertionError(
             f"no {what} in the program ({report.num_devices} devices); nothing to check."
+            + not_judged
         )
     wrong = [c for c in found if c.dtype != wanted]
     if wrong:
-        listing = "\n  ".join(
-            f"{c.kind} {c.dtype.name}[{','.join(map(str, c.shape))}] from {c.source}" for c in wrong
-        )
+        listing = "\n  ".join(_line(c) for c in wrong)
         raise AssertionError(
-            f"{len(wrong)} of {len(found)} ({what}) not in {wanted.name}:\n  {listing}"
+            f"{len(wrong)} of {len(found)} ({what}) not in {wanted.name}:\n  {listing}" + not_judged
         )
+
+
+def _line(c: Collective) -> str:
+    return f"{c.kind} {c.dtype.name}[{','.join(map(str, c.shape))}] from {c.source}"

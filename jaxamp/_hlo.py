@@ -35,7 +35,8 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY_TYPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _OPCODE = re.compile(r"\s([a-z][\w\-]*)\(")
-_OPERAND = re.compile(r"%([\w.\-]+)")
+# ``%name`` or ``%name#2``: the short form of ``get-tuple-element(%name), index=2``.
+_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _SOURCE = re.compile(r'source_file="((?:[^"\\]|\\.)*)"\s+source_line=(\d+)')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
@@ -161,6 +162,7 @@ def parse_module(text: str) -> HloModule:
         inst = _parse_instruction(line, computation, frames)
         if inst is not None:
             instructions[inst.name] = inst
+    _add_tuple_elements(instructions)
     replicas = re.search(r"replica_count=(\d+)", header)  # pmap's programs
     devices = (int(partitions[1]) if partitions else 1) * (int(replicas[1]) if replicas else 1)
     return HloModule(instructions, entry, devices, frames)
@@ -209,6 +211,32 @@ def _parse_instruction(
         tuple_index=int(index[1]) if index else None,
         callee=callee[1] if callee else None,
     )
+
+
+def _add_tuple_elements(instructions: dict[str, HloInstruction]) -> None:
+    """Adds a ``get-tuple-element`` for each ``%name#i`` operand, named as it is written.
+
+    Newer XLA prints a read of one element of a tuple (an ``opt-barrier``'s, a
+    ``call``'s) as ``%name#i`` in the reader's operand list instead of a
+    ``get-tuple-element`` instruction of its own; both forms then read alike.
+    """
+    written = {name for inst in instructions.values() for name in inst.operands if "#" in name}
+    for ref in sorted(written):
+        name, index = ref.rsplit("#", 1)
+        source = instructions.get(name)
+        if source is None or ref in instructions:
+            continue
+        i = int(index)
+        instructions[ref] = dataclasses.replace(
+            source,
+            name=ref,
+            opcode="get-tuple-element",
+            types=source.types[i : i + 1],
+            operands=(name,),
+            parameter_number=None,
+            tuple_index=i,
+            callee=None,
+        )
 
 
 def _balanced(text: str, start: int) -> str:

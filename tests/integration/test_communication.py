@@ -156,7 +156,7 @@ def test_report_matches_the_partitioned_program_and_a_hand_count():
     checks = f32["checks"]
     assert checks["f32_gathers_f32"] == "" and checks["f32_reduces_f32"] == ""
     assert checks["f32_gathers_bf16"].startswith(
-        "2 of 2 (all-gather of a parameter) not in bfloat16"
+        "2 of 2 (floating parameter all-gather) not in bfloat16"
     )
     assert checks["cast_gathers_bf16"] == "" and checks["cast_gathers_f32"]
 

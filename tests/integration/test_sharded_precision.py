@@ -35,16 +35,24 @@ def _fsdp_spec(x):
 
 
 def _wire(report):
-    """Bytes per parameter by kind and dtype, and the parameter gathers."""
+    """Bytes per parameter by kind and dtype, and the parameter gathers.
+
+    The small ones (vectors: layer norms, biases) apart: their counts and
+    dtypes are not a decision (``CommunicationReport.small_gathers``).
+    """
     per_param = collections.defaultdict(float)
     gathers = collections.Counter()
-    f32_gathers = set()
+    f32_gathers, small_f32_gathers = set(), set()
+    small = {id(c) for c in report.small_gathers}
     for c in report.collectives:
         kind = "reduce" if c.kind in ("all-reduce", "reduce-scatter") else c.kind
         if not c.shape:
             continue  # a scalar: the loss average
         per_param[f"{kind} {c.dtype.name}"] += c.bytes / report.param_count
-        if c.kind == "all-gather" and c.parameter:
+        if c.kind == "all-gather" and c.parameter and id(c) in small:
+            if c.dtype.itemsize == 4:
+                small_f32_gathers.add(c.parameter)
+        elif c.kind == "all-gather" and c.parameter:
             gathers[c.parameter] += 1
             if c.dtype.itemsize == 4:
                 f32_gathers.add(c.parameter)
@@ -52,6 +60,7 @@ def _wire(report):
         "per_param": {k: round(v, 4) for k, v in per_param.items()},
         "max_gathers_per_param": max(gathers.values(), default=0),
         "f32_gathers": sorted(f32_gathers),
+        "small_f32_gathers": sorted(small_f32_gathers),
     }
 
 
@@ -276,8 +285,12 @@ def test_autocast_gathers_each_parameter_once_in_bfloat16(measured, model):
         wire = measured[model][policy]
         assert wire["max_gathers_per_param"] == 1, (model, policy, wire)
         # Embedding tables included; only parameters autocast computes with in
-        # float32 (layer-norm scales and biases, after float32 statistics) stay so.
+        # float32 (layer-norm scales and biases, after float32 statistics) stay
+        # so, and those are small gathers (only the GPT has layer norms).
         assert not wire["f32_gathers"], wire["f32_gathers"]
+        small_f32 = wire["small_f32_gathers"]
+        assert all("LayerNorm" in p for p in small_f32), small_f32
+        assert bool(small_f32) == (model == "gpt"), small_f32
         gathers = wire["per_param"]
         assert gathers["all-gather bfloat16"] <= 2.1, gathers
         # A layer norm's scale is gathered again for the backward pass: 1.5x its share.

@@ -79,6 +79,12 @@ def test_reads_each_collective_form_with_its_bytes_and_source():
         ("reduce-scatter", "float32", (8, 8), 256, "g"),  # the full input
         ("collective-permute", "float32", (8, 8), 256, "g"),
     ]
+    # The argument's own dtype, beside the wire's.
+    assert [(c.parameter, c.parameter_dtype) for c in _collectives()[:3]] == [
+        ("params['w']", np.float32),
+        ("g", np.float32),
+        ("h", jnp.bfloat16),
+    ]
     gather, reduce = _collectives()[:2]
     # The innermost frame outside jaxamp; else the metadata's own source line.
     assert gather.location == "/home/user/model.py:7"
@@ -145,7 +151,7 @@ def test_bad_input_names_the_argument():
 def test_assertions_list_the_offenders_and_fail_on_nothing():
     report = jaxamp.CommunicationReport(tuple(_collectives()), 64, 4, _HLO)
     with pytest.raises(
-        AssertionError, match=r"1 of 2 \(all-gather of a parameter\) not in bfloat16"
+        AssertionError, match=r"1 of 2 \(floating parameter all-gather\) not in bfloat16"
     ):
         assert_gathers_in(report, jnp.bfloat16)
     # The backward all-reduce has a float32 and a bfloat16 operand.
@@ -154,3 +160,119 @@ def test_assertions_list_the_offenders_and_fail_on_nothing():
     empty = jaxamp.CommunicationReport((), 0, 8, "")
     with pytest.raises(AssertionError, match="no gradient reduction"):
         assert_reduces_in(empty, jnp.float32)
+
+
+# XLA's newer text (jax 0.12): a read of one tuple element is ``%name#i`` in the
+# reader's operands, with no get-tuple-element of its own. The weight reaches
+# its gather through a cast and autocast's operand barrier, a bias through a
+# broadcast that adds a unit dimension, a norm's scale through ``1 + scale``
+# and a one-value barrier.
+_SHORT_FORM = """HloModule m, num_partitions=4
+
+ENTRY %main (w: f32[2,8], b: f32[8], s: f32[8]) -> f32[] {
+  %w = f32[2,8]{1,0} parameter(0), metadata={op_name="p[\\'w\\']"}
+  %b = f32[8]{0} parameter(1), metadata={op_name="p[\\'b\\']"}
+  %s = f32[8]{0} parameter(2), metadata={op_name="p[\\'s\\']"}
+  %x = bf16[2,8]{1,0} constant({...})
+  %c = bf16[2,8]{1,0} convert(%w)
+  %t = (bf16[2,8]{1,0}, bf16[2,8]{1,0}) tuple(%x, %c)
+  %ob = (bf16[2,8]{1,0}, bf16[2,8]{1,0}) opt-barrier(%t)
+  %ag = bf16[8,8]{1,0} all-gather(%ob#1), dimensions={0}, metadata={op_name="jit(f)/optimization_barrier"}
+  %ar = bf16[2,8]{1,0} all-reduce(%ob#0), to_apply=%add
+  %r = f32[1,8]{1,0} reshape(%b)
+  %zero = f32[] constant(0)
+  %lo = f32[1,8]{1,0} broadcast(%zero), dimensions={}
+  %m = f32[1,8]{1,0} maximum(%r, %lo)
+  %bc = bf16[1,8]{1,0} convert(%m)
+  %bb = bf16[1,8]{1,0} broadcast(%bc), dimensions={0,1}
+  %v = bf16[8]{0} reshape(%bb)
+  %agb = bf16[32]{0} all-gather(%v), dimensions={0}
+  %one = f32[] constant(1)
+  %ones = f32[8]{0} broadcast(%one), dimensions={}
+  %shift = f32[8]{0} add(%s, %ones)
+  %os = f32[8]{0} opt-barrier(%shift)
+  %ags = f32[32]{0} all-gather(%os), dimensions={0}
+  %agz = f32[32]{0} all-gather(%lo), dimensions={0}
+  ROOT %out = f32[] constant(0)
+}
+"""  # noqa: E501 (HLO lines are as long as XLA prints them)
+
+
+def test_follows_the_short_tuple_element_form_barriers_and_unit_broadcasts():
+    got = [(c.kind, c.dtype.name, c.shape, c.bytes, c.parameter) for c in _collectives(_SHORT_FORM)]
+    assert got == [
+        ("all-gather", "bfloat16", (8, 8), 128, "p['w']"),
+        # The tuple element's own type: one bf16[2,8], not the whole tuple.
+        ("all-reduce", "bfloat16", (2, 8), 32, None),
+        ("all-gather", "bfloat16", (32,), 64, "p['b']"),  # the clamp bound is not the data
+        ("all-gather", "float32", (32,), 128, "p['s']"),
+        ("all-gather", "float32", (32,), 128, None),  # a broadcast scalar: not a parameter
+    ]
+
+
+def _gather(shape, itemsize=4, parameter="p", dtype=np.float32):
+    return jaxamp.Collective(
+        "all-gather", np.dtype(dtype), shape, int(np.prod(shape)) * itemsize, parameter, "", None
+    )
+
+
+def test_small_gathers_are_vectors_16x_below_the_largest_gather():
+    matrix = _gather((32, 32), 2, "w", jnp.bfloat16)  # 2048 bytes
+    scale = _gather((32,), 4, "scale")  # 128 bytes: 16x smaller, small
+    bias = _gather((1, 64, 1), 4, "b")  # 256 bytes: a vector, but only 8x smaller
+    rows = _gather((2, 16), 4, "r")  # 128 bytes, but not a vector
+    ids = _gather((32,), 4, "ids", np.int32)
+    reduce = dataclasses.replace(scale, kind="all-reduce")  # not a gather
+    report = jaxamp.CommunicationReport((matrix, scale, bias, rows, ids, reduce), 1024, 4, "")
+    assert report.small_gathers == (scale, ids)
+    lines = str(report).splitlines()
+    listing = lines[next(i for i, line in enumerate(lines) if " shape " in line) + 1 :]
+    assert [line.split()[-1] == "small" for line in listing if line.startswith("all-")] == [
+        False, True, False, False, True, False
+    ]  # fmt: skip
+    assert lines[-1] == (
+        "small: 2 all-gathers of vectors, each at least 16x smaller than the largest "
+        "(256 bytes, 0.25 B/param together): not worth a dtype decision"
+    )
+    # A program whose gathers are all vectors (a flat parameter buffer): the
+    # largest is not small.
+    flat = jaxamp.CommunicationReport((_gather((4096,)), _gather((128,))), 0, 4, "")
+    assert flat.small_gathers == (flat.collectives[1],)
+    assert "small:" not in str(dataclasses.replace(report, collectives=(matrix, bias)))
+
+
+def test_assert_gathers_in_judges_floating_parameters_and_lists_the_rest():
+    matrix = _gather((32, 32), 2, "w", jnp.bfloat16)
+    scale = _gather((32,), 4, "scale")
+    ids = _gather((8,), 4, "ids", np.int32)
+    report = jaxamp.CommunicationReport((ids, matrix, scale), 1024, 4, "")
+    assert assert_gathers_in(report, jnp.bfloat16) is report
+    not_judged = (
+        "\nnot judged (2):\n  all-gather int32[8] from ids (not floating)"
+        "\n  all-gather float32[32] from scale (small)"
+    )
+    with pytest.raises(AssertionError) as failed:
+        assert_gathers_in(report, jnp.float32)
+    assert str(failed.value) == (
+        "1 of 1 (floating parameter all-gather) not in float32:\n"
+        "  all-gather bfloat16[32,32] from w" + not_judged
+    )
+    # A float32 weight quantized to int8 for the wire is a parameter: judged.
+    int8 = dataclasses.replace(
+        matrix, dtype=np.dtype(np.int8), bytes=1024, parameter_dtype=np.dtype(np.float32)
+    )
+    with pytest.raises(AssertionError, match=r"1 of 2 .*\n  all-gather int8\[32,32\] from w\n"):
+        assert_gathers_in(
+            dataclasses.replace(report, collectives=(*report.collectives, int8)), jnp.bfloat16
+        )
+    # Only integer and small parameter gathers (next to an activation's):
+    # nothing judged, which fails and says why.
+    activation = dataclasses.replace(matrix, parameter=None)
+    with pytest.raises(AssertionError) as failed:
+        assert_gathers_in(
+            dataclasses.replace(report, collectives=(ids, activation, scale)), jnp.bfloat16
+        )
+    assert str(failed.value) == (
+        "no floating parameter all-gather in the program (4 devices); nothing to check."
+        + not_judged
+    )
