@@ -256,7 +256,12 @@ def _communication_worker() -> dict:
                 jax.grad(jaxamp.autocast(m.loss, spec)), params, *batch
             )
             assert_reduces_in(report, jnp.float32)
-            gathers = [c for c in report.collectives if c.kind == "all-gather" and c.parameter]
+            small = {id(c) for c in report.small_gathers}  # norm scales, biases
+            gathers = [
+                c
+                for c in report.collectives
+                if c.kind == "all-gather" and c.parameter and id(c) not in small
+            ]
             out[f"{name}/{spec}"] = {
                 "sharded": sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params)),
                 "gathered": len({c.parameter for c in gathers}),
@@ -271,14 +276,23 @@ GATHER_DTYPES = {
     "mixed_bfloat16": np.dtype(jnp.bfloat16),
     "mixed_float8": np.dtype(jnp.float8_e4m3fn),
 }
-# Gathers in another dtype than the policy's, on purpose or not yet otherwise:
+# Gathers (of more than a small vector) in another dtype than the policy's. On purpose:
+# a norm's scale and bias multiply float32 statistics (float32); under FP8 a bias and an
+# embedding are not matmul operands (the compute dtype). Not yet otherwise: the attention
+# output kernel [heads, head_dim, d] has two contracting dims, merged by a reshape after
+# its shard is gathered, and is quantized after that.
+_NORM = ["params['norm']['bias'].value: float32", "params['norm']['scale'].value: float32"]
+_ATTENTION = "params['_Block_0']['MultiHeadDotProductAttention_0']"
 OTHER_GATHERS = {
+    "nnx_mlp/mixed_bfloat16": _NORM,
+    "nnx_mlp/mixed_float8": ["params['l1']['bias'].value: bfloat16", *_NORM],
     "gpt/mixed_float8": [
-        # Not a matmul: a gather from an embedding table reads it in the compute dtype.
         "params['Embed_0']['embedding']: bfloat16",
-        # Not yet fp8: the attention output kernel [heads, head_dim, d] has two contracting
-        # dims, merged by a reshape after its shard is gathered, and quantized after that.
-        "params['_Block_0']['MultiHeadDotProductAttention_0']['out']['kernel']: float32",
+        f"{_ATTENTION}['key']['bias']: bfloat16",
+        f"{_ATTENTION}['out']['kernel']: float32",
+        f"{_ATTENTION}['query']['bias']: bfloat16",
+        f"{_ATTENTION}['value']['bias']: bfloat16",
+        "params['pos_embedding']: bfloat16",
     ],
 }
 
