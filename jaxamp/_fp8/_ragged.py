@@ -145,7 +145,7 @@ class Segments(NamedTuple):
 
 def segments(group_sizes: jax.Array, m: int) -> Segments:
     """Each row's group from ``group_sizes`` (traced), for ``m`` rows."""
-    sizes = group_sizes.astype(jnp.int32)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
     ends = jnp.cumsum(sizes)
     rows = jnp.arange(m, dtype=jnp.int32)
     ids = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
