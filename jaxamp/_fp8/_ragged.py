@@ -87,8 +87,8 @@ def ragged_form(params: Mapping[str, Any], lhs_ndim: int, rhs_ndim: int) -> Ragg
 
     The form of ``jax.lax.ragged_dot`` and its generalization: no batch dims,
     the lhs's one free dim is ragged, the rhs has one group dim, no
-    ``group_offset``. The others (a ragged contracting or batch dim, written
-    by hand or by ``vmap``) keep autocast's 16-bit product.
+    ``group_offset``. The others (a ragged contracting or batch dim) keep
+    autocast's 16-bit product.
     """
     numbers = params["ragged_dot_dimension_numbers"]
     ragged, group = tuple(numbers.lhs_ragged_dimensions), tuple(numbers.rhs_group_dimensions)

@@ -120,6 +120,31 @@ def test_forward_and_gradients_are_the_dense_recipe_expert_by_expert(scaling):
         assert np.abs(shared).max() > 10 * np.abs(own).max()
 
 
+def test_a_weight_computed_from_an_activation_is_an_activation_blockwise():
+    # Only a parameter (or input) is a weight: one computed from an activation
+    # (here times a product's result, 1) takes the activations' 1x128 tiles
+    # instead of 128x128 weight tiles, as in a dense product.
+    sizes, k = BLOCKWISE_SIZES, BLOCKWISE_K
+    x, w, _ = _data(int(sizes.sum()), k)
+    w = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # exact in the compute dtype
+    one = np.ones((1, 1), np.float32)
+    recipe = jaxamp.Float8Recipe("blockwise")
+    computed = jaxamp.autocast(
+        lambda x, w, c, s: jax.lax.ragged_dot(x, w * (c @ c)[0, 0], s), recipe
+    )
+    dense = jaxamp.autocast(lambda x, w, c: x @ (w * (c @ c)[0, 0]), recipe)
+
+    def run(x, w, c):
+        per_expert = [dense(x[a:b], w[e], c) for e, a, b in _groups(sizes) if a < b]
+        return computed(x, w, c, sizes), _ragged(recipe)(x, w, sizes), per_expert
+
+    out, as_weight, per_expert = jax.jit(run, compiler_options=_FAST)(x, w, one)
+    got = [np.asarray(out)[a:b] for _, a, b in _groups(sizes) if a < b]
+    for got_e, want_e in zip(got, per_expert, strict=True):
+        assert_same_rounding(got_e, want_e)
+    assert np.abs(np.asarray(out) - np.asarray(as_weight)).max() > 1e-3
+
+
 def test_rows_past_the_last_group_are_zero_and_get_no_gradient():
     x, w, g = _data()
     sizes = np.array([10, 0, 35, 0], np.int32)  # 45 of the 200 rows
