@@ -247,21 +247,25 @@ def _contract_product(spec, g, g_kind, g_dtype, x, x_kind, x_dtype, seg, accumul
     tiles = seg.tiles(ag.block)
     q_g, _, inv_g = quantize_rows(spec, g, g_dtype, tiles, ag.rows)
     q_x, _, inv_x = quantize_rows(spec, x, x_dtype, tiles, ax.rows)
+    whole = ag.block is None  # one tile per group: the product is the expert's
+    # As a dense product's: ``accumulate`` (the dtype a cross-device sum of the
+    # rows runs in) is the float8 product's result, or the scaled tiles' sum's.
     partial = jax.lax.ragged_dot_general(
         _flat(q_g, g.shape[1]),
         _flat(q_x, x.shape[1]),
         tiles.sizes,
         _CONTRACT,
-        preferred_element_type=F32,
+        preferred_element_type=accumulate if whole else F32,
     )  # [tiles, Q, C]
     g_scale = _repeat(inv_g, ag.rows, g.shape[1])[:, :, None]
     x_scale = _repeat(inv_x, ax.rows, x.shape[1])[:, None, :]
-    scaled = (partial * g_scale * x_scale).astype(accumulate)
+    scaled = partial.astype(F32) * g_scale * x_scale
     # An empty group's tile has no rows (its scales are another group's).
     scaled = jnp.where(tiles.sizes[:, None, None] > 0, scaled, 0)
-    experts = seg.sizes.shape[0]
-    if ag.block is None:
+    if whole:
         return scaled
+    experts = seg.sizes.shape[0]
+    scaled = scaled.astype(accumulate)
     return jax.ops.segment_sum(scaled, tiles.owner, num_segments=experts + 1)[:experts]
 
 
