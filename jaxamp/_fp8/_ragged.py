@@ -18,11 +18,13 @@ read for each group on its own):
   sums its blocks along the contracting dim.
 
 The group sizes stay traced values (no host sync, one compile for all sizes):
-tiles are numbered from the cumulative group sizes, within a static bound.
+tiles are numbered from the cumulative group sizes, within a static bound
+(``_ragged_quantize.py``). Under one scale per group and per expert
+(tensorwise), the backward products reuse the forward's float8 operands.
 
 A recipe supplies only :class:`RaggedSpec` (its groups per operand kind,
 dtypes, and a quantizer: amax -> (scale, inverse), scaled values -> stored
-format); everything above is shared.
+format); everything above is shared. ``fp8_spec`` is FP8's.
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.lax import RaggedDotDimensionNumbers
 
-from jaxamp._casting import F32, QUANTIZE_SCOPE
+from jaxamp._casting import F32
 from jaxamp._engine._contractions import dot_dims
 from jaxamp._fp8._quantize import saturating_cast, scale_from_amax
+from jaxamp._fp8._ragged_quantize import (
+    RaggedSpec,
+    Segments,
+    Tiles,
+    quantize_experts,
+    quantize_rows,
+    segments,
+)
 from jaxamp._fp8._scalings import Groups, scaling_named, scope_name
 
 __all__ = ["RaggedSpec", "fp8_spec", "ragged_dot", "ragged_form", "ragged_matmul"]
@@ -47,31 +57,10 @@ __all__ = ["RaggedSpec", "fp8_spec", "ragged_dot", "ragged_form", "ragged_matmul
 _ROWS = RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
 # The same per block along C: lhs [KB, M, kb] x rhs [G, KB, Q, kb] -> [KB, M, Q].
 _ROWS_BLOCKED = RaggedDotDimensionNumbers((((2,), (3,)), ((0,), (1,))), (1,), (0,))
+# The input gradient from w as it is: lhs [M, Q] x rhs [G, Q, C] -> [M, C].
+_ROWS_BY_Q = RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
 # Contracting the ragged rows: lhs [M, Q] x rhs [M, C] -> [tiles, Q, C].
 _CONTRACT = RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
-
-
-class RaggedSpec(NamedTuple):
-    """What a recipe gives the ragged products; the rest is shared.
-
-    Attributes:
-      groups: operand kind (``"act"``, ``"weight"``, ``"grad"``) -> its
-        :class:`Groups` for a dense product (``_scalings.SCALINGS``).
-      forward_dtype: the stored format of the forward operands.
-      gradient_dtype: the stored format of the incoming gradient.
-      compute_dtype: the forward product's result dtype.
-      scales: ``(amax float32, dtype) -> (scale, inverse)``, elementwise.
-      cast: ``(scaled float32 values, dtype) -> stored values`` (saturating).
-      scope: the name scope of every product (``precision_report`` reads it).
-    """
-
-    groups: Mapping[str, Groups]
-    forward_dtype: np.dtype
-    gradient_dtype: np.dtype
-    compute_dtype: np.dtype
-    scales: Callable[[jax.Array, np.dtype], tuple[jax.Array, jax.Array]]
-    cast: Callable[[jax.Array, np.dtype], jax.Array]
-    scope: str
 
 
 class RaggedForm(NamedTuple):
@@ -102,105 +91,6 @@ def ragged_form(params: Mapping[str, Any], lhs_ndim: int, rhs_ndim: int) -> Ragg
     )
 
 
-class Tiles(NamedTuple):
-    """Tiles of rows along the ragged dim, each within one group (traced numbering).
-
-    ``ids``: each row's tile, ``count`` (static) for rows past the last group;
-    ``sizes``: rows per tile ``[count]``; ``owner``: each tile's group, ``G``
-    for the unused ones.
-    """
-
-    ids: jax.Array
-    count: int
-    sizes: jax.Array
-    owner: jax.Array
-
-
-class Segments(NamedTuple):
-    """The groups of the rows, from the cumulative group sizes."""
-
-    sizes: jax.Array  # [G] int32
-    starts: jax.Array  # [G]: each group's first row
-    ids: jax.Array  # [M]: each row's group, G past the last group
-    valid: jax.Array  # [M]: the row belongs to a group
-
-    def tiles(self, rows: int | None) -> Tiles:
-        """Tiles of ``rows`` rows from each group's first row (None: the whole group)."""
-        g, m = self.sizes.shape[0], self.ids.shape[0]
-        if rows is None:
-            return Tiles(self.ids, g, self.sizes, jnp.arange(g))
-        per_group = (self.sizes + rows - 1) // rows
-        ends = jnp.cumsum(per_group)
-        first = ends - per_group
-        group = jnp.minimum(self.ids, g - 1)
-        count = -(-m // rows) + g  # sum over groups of ceil(size / rows), at most
-        within = jnp.arange(m, dtype=jnp.int32) - self.starts[group]
-        ids = jnp.where(self.valid, first[group] + within // rows, count)
-        tile = jnp.arange(count, dtype=jnp.int32)
-        owner = jnp.searchsorted(ends, tile, side="right").astype(jnp.int32)
-        safe = jnp.minimum(owner, g - 1)
-        sizes = jnp.clip(self.sizes[safe] - (tile - first[safe]) * rows, 0, rows)
-        return Tiles(ids, count, jnp.where(owner < g, sizes, 0), owner)
-
-
-def segments(group_sizes: jax.Array, m: int) -> Segments:
-    """Each row's group from ``group_sizes`` (traced), for ``m`` rows."""
-    sizes = jnp.asarray(group_sizes, jnp.int32)
-    ends = jnp.cumsum(sizes)
-    rows = jnp.arange(m, dtype=jnp.int32)
-    ids = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
-    return Segments(sizes, ends - sizes, ids, rows < ends[-1])
-
-
-def _columns(v: jax.Array, block: int | None) -> jax.Array:
-    """``[M, F]`` -> ``[M, nF, f]``: blocks of ``block`` along F (zero-padded; None: one)."""
-    f = v.shape[1]
-    size = min(block or f, f)
-    v = jnp.pad(v, ((0, 0), (0, -f % size)))
-    return v.reshape(v.shape[0], -1, size)
-
-
-def _amax(v: jax.Array, axes) -> jax.Array:
-    # A NaN counts as an inf: its group's scale is NaN either way, and the
-    # segment max needs no NaN semantics.
-    magnitude = jnp.abs(v)
-    return jnp.max(jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude), axis=axes)
-
-
-def quantize_rows(spec: RaggedSpec, v, dtype, tiles: Tiles | None, block: int | None):
-    """A ragged-row operand ``v [M, F]`` in tiles of rows x ``block`` values along F.
-
-    ``tiles``: the row tiles (None: each row its own). Returns the stored
-    values ``[M, nF, f]`` (F zero-padded), each row's inverse scales
-    ``[M, nF]`` and each tile's ``[tiles.count, nF]`` (None without tiles).
-    """
-    with jax.named_scope(QUANTIZE_SCOPE):
-        v = _columns(v.astype(F32), block)
-        amax = _amax(v, 2)
-        tile_inverse = None
-        if tiles is not None:
-            per_tile = jax.ops.segment_max(
-                amax, tiles.ids, num_segments=tiles.count + 1, indices_are_sorted=True
-            )
-            tile_inverse = spec.scales(per_tile, dtype)[1][: tiles.count]
-            amax = per_tile[tiles.ids]
-        scale, inverse = spec.scales(amax, dtype)
-        return spec.cast(v * scale[..., None], dtype), inverse, tile_inverse
-
-
-def quantize_experts(spec: RaggedSpec, w, dtype, groups: Groups):
-    """``w [G, Q, C]`` in tiles per expert: ``[G, Q, KB, kb]`` and inverses ``[G, Q, KB]``."""
-    with jax.named_scope(QUANTIZE_SCOPE):
-        g, q, c = w.shape
-        block, rows = min(groups.block or c, c), min(groups.rows or q, q)
-        w = jnp.pad(w.astype(F32), ((0, 0), (0, -q % rows), (0, -c % block)))
-        tiles = w.reshape(g, -1, rows, w.shape[2] // block, block)
-        scale, inverse = spec.scales(_amax(tiles, (2, 4))[:, :, None, :, None], dtype)
-        stored = spec.cast(tiles * scale, dtype).reshape(g, -1, tiles.shape[3], block)
-        inverse = jnp.broadcast_to(inverse, (*tiles.shape[:4], 1)).reshape(g, -1, tiles.shape[3])
-        return stored[:, :q], inverse[:, :q]
-
-
 def _row_tiles(seg: Segments, groups: Groups) -> Tiles | None:
     return None if groups.rows == 1 else seg.tiles(groups.rows)
 
@@ -210,8 +100,13 @@ def _rows_product(spec, x, x_kind, x_dtype, w, w_kind, w_dtype, seg, sizes, out_
     ax, aw = spec.groups[x_kind], spec.groups[w_kind]
     qx, inv_x, _ = quantize_rows(spec, x, x_dtype, _row_tiles(seg, ax), ax.block)
     qw, inv_w = quantize_experts(spec, w, w_dtype, aw._replace(whole_batch=False))
+    return _scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate)
+
+
+def _scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate):
+    """The product of quantized ``x [M, KB, kb]`` and ``w [G, Q, KB, kb]``, rescaled."""
     # Each row's expert's inverse scales (rows past the last group: masked below).
-    inv_w = inv_w[jnp.minimum(seg.ids, w.shape[0] - 1)]  # [M, Q, KB]
+    inv_w = inv_w[jnp.minimum(seg.ids, qw.shape[0] - 1)]  # [M, Q, KB]
     if qx.shape[1] == 1:
         out = jax.lax.ragged_dot_general(
             qx[:, 0], qw[:, :, 0], sizes, _ROWS, preferred_element_type=accumulate
@@ -290,6 +185,8 @@ def ragged_matmul(
     """
     x_kind, w_kind = kinds
     fwd_dtype, grad_dtype = spec.forward_dtype, spec.gradient_dtype
+    if all(g.rows is None and g.block is None for g in spec.groups.values()):
+        return _whole_matmul(spec, kinds, dtypes, reduce)
 
     def forward(x, w, sizes):
         with jax.named_scope(spec.scope):
@@ -327,6 +224,54 @@ def ragged_matmul(
             dw = _contract_product(
                 spec, g, "grad", grad_dtype, x, x_kind, fwd_dtype, seg, reduce[1]
             )
+        return dx.astype(dtypes[0]), dw.astype(dtypes[1]), None
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
+
+
+def _whole_matmul(spec: RaggedSpec, kinds: tuple, dtypes: tuple, reduce: tuple) -> Callable:
+    """:func:`ragged_matmul` with one scale per group of rows and per expert (tensorwise).
+
+    The scales do not depend on the contracting dim: the backward products
+    reuse the forward's float8 operands (saved instead of ``x`` and ``w``, as
+    a dense tensorwise product does), contracting them along the other dim.
+    """
+    whole = Groups(False, None, None)
+
+    def forward(x, w, sizes):
+        seg = segments(sizes, x.shape[0])
+        qx, inv_x, x_tiles = quantize_rows(spec, x, spec.forward_dtype, seg.tiles(None), None)
+        qw, inv_w = quantize_experts(spec, w, spec.forward_dtype, whole)
+        out = _scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, spec.compute_dtype, F32)
+        return out, (qx[:, 0], x_tiles, qw[:, :, 0], inv_w[:, :1, 0], sizes)
+
+    @jax.custom_vjp
+    def matmul(x, w, sizes):
+        with jax.named_scope(spec.scope):
+            return forward(x, w, sizes)[0]
+
+    def fwd(x, w, sizes):
+        with jax.named_scope(spec.scope):
+            return forward(x, w, sizes)
+
+    def bwd(saved, g):
+        qx, x_tiles, qw, w_inverse, sizes = saved
+        with jax.named_scope(spec.scope):
+            seg = segments(sizes, qx.shape[0])
+            qg, g_rows, g_tiles = quantize_rows(spec, g, spec.gradient_dtype, seg.tiles(None), None)
+            qg = qg[:, 0]
+            # dx[M, C] = g[M, Q] . w[group] over Q (w's own dim 1: no transpose).
+            dx = jax.lax.ragged_dot_general(
+                qg, qw, sizes, _ROWS_BY_Q, preferred_element_type=reduce[0]
+            )
+            rows_w = w_inverse[jnp.minimum(seg.ids, qw.shape[0] - 1)]
+            dx = jnp.where(seg.valid[:, None], dx.astype(F32) * g_rows * rows_w, 0)
+            dw = jax.lax.ragged_dot_general(
+                qg, qx, sizes, _CONTRACT, preferred_element_type=reduce[1]
+            )
+            dw = dw.astype(F32) * g_tiles[:, :, None] * x_tiles[:, None, :]
+            dw = jnp.where(seg.sizes[:, None, None] > 0, dw, 0)  # an empty expert's: zero
         return dx.astype(dtypes[0]), dw.astype(dtypes[1]), None
 
     matmul.defvjp(fwd, bwd)
