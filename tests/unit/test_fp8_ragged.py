@@ -16,6 +16,7 @@ import pytest
 
 import jaxamp
 from jaxamp import _fp8
+from jaxamp._engine._visit import walk
 from tests import fp8_reference as ref
 from tests.unit.test_fp8 import assert_bf16_of, assert_f32_of
 
@@ -174,6 +175,17 @@ def test_float8_operands_in_the_jaxpr_and_the_report(scaling):
     }
     assert sum(m.primitive == "ragged_dot_general" for m in report.matmuls) == 3
     assert report.fp8_fraction == 1.0
+    # Quantizations: x, w and the gradient once each where the scales do not
+    # depend on the contracting dim (tensorwise: the backward products reuse
+    # the forward's float8 operands); else each product quantizes its two.
+    closed = jax.make_jaxpr(step)(x, w)
+    casts = [
+        eqn
+        for eqn, _ in walk(closed.jaxpr)
+        if eqn.primitive.name == "convert_element_type"
+        and np.dtype(eqn.params["new_dtype"]).name in (E4, E5)
+    ]
+    assert len(casts) == (3 if scaling == "tensorwise" else 6)
 
 
 def test_mixed_bfloat16_and_other_ragged_forms_stay_16_bit():
