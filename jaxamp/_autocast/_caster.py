@@ -39,7 +39,7 @@ from jaxamp._autocast._wide import KnownConstants, breaks_in, feeds_reduction
 from jaxamp._casting import F32, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._fp8 import FP8_PRIMITIVES, Float8Recipe, fp8_operands
+from jaxamp._fp8 import Float8Recipe, fp8_operands, fp8_runs
 from jaxamp._policy import Policy
 from jaxamp._wire import spans_devices, vary_before_cast
 
@@ -293,7 +293,7 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     (lhs, lhs_role), (rhs, rhs_role), *rest = ins
     if not (is_floating(lhs) and is_floating(rhs)):
         return follow(ac, eqn, ins)
-    if ac.fp8 is not None and eqn.primitive.name in FP8_PRIMITIVES:
+    if ac.fp8 is not None and fp8_runs(eqn):
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain, ac.fp8_weights)
     else:

@@ -29,6 +29,7 @@ from jaxamp._engine._contractions import dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
+from jaxamp._fp8._ragged import fp8_spec, ragged_dot, ragged_form
 from jaxamp._fp8._recipe import Float8Recipe
 from jaxamp._fp8._scales import WeightAmaxes, weight_amaxes
 from jaxamp._fp8._scalings import SCOPE_PREFIX
@@ -39,11 +40,21 @@ __all__ = [
     "SCOPE_PREFIX",
     "fp8_matmul",
     "fp8_operands",
+    "fp8_runs",
     "fp8_weight_amaxes",
     "scope_name",
 ]
 
-FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
+FP8_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+def fp8_runs(eqn: jex.JaxprEqn) -> bool:
+    """Whether ``eqn`` runs in FP8: a dot, a conv, a ``ragged_dot`` in its MoE form."""
+    name = eqn.primitive.name
+    if name == "ragged_dot_general":
+        lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])
+        return ragged_form(eqn.params, lhs, rhs) is not None
+    return name in FP8_PRIMITIVES
 
 
 def _to_canonical(x, batch, free, contract):
@@ -268,7 +279,12 @@ def fp8_operands(
     )
 
     def matmul(eqn: jex.JaxprEqn, x, w, *extra, dtype: np.dtype):
-        del extra, dtype  # dots and convs have no extra operands; the recipe gives the dtype
+        del dtype  # the recipe gives the dtype
+        if eqn.primitive.name == "ragged_dot_general":  # extra: the group sizes
+            spec = fp8_spec(recipe)
+            return ragged_dot(
+                spec, eqn.params, x, w, *extra, plain=plain, reduce_dtype=recipe.reduce_dtype
+            )
         amaxes = tuple(
             weights.get(eqn, i) if weights is not None and p else None for i, p in enumerate(plain)
         )
