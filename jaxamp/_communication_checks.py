@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -127,7 +128,7 @@ def _check_all_in(
     found: list[Collective],
     wanted: np.dtype,
     what: str,
-    skipped: list[tuple[Collective, str]] = (),
+    skipped: Sequence[tuple[Collective, str]] = (),
 ) -> None:
     not_judged = "".join(f"\n  {_line(c)} ({why})" for c, why in skipped)
     not_judged = f"\nnot judged ({len(skipped)}):{not_judged}" if skipped else ""

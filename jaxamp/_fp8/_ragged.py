@@ -270,6 +270,7 @@ def _whole_matmul(spec: RaggedSpec, kinds: tuple, dtypes: tuple, reduce: tuple) 
             dw = jax.lax.ragged_dot_general(
                 qg, qx, sizes, _CONTRACT, preferred_element_type=reduce[1]
             )
+            assert g_tiles is not None  # quantized with tiles: each tile has its inverse
             dw = dw.astype(F32) * g_tiles[:, :, None] * x_tiles[:, None, :]
             dw = jnp.where(seg.sizes[:, None, None] > 0, dw, 0)  # an empty expert's: zero
         return dx.astype(dtypes[0]), dw.astype(dtypes[1]), None
@@ -305,6 +306,8 @@ def ragged_dot(spec: RaggedSpec, params: Mapping[str, Any], x, w, sizes, *, plai
     has ``reduce_dtype`` results.
     """
     form = ragged_form(params, x.ndim, w.ndim)
+    if form is None:  # fp8_runs chose this product: its form is known
+        raise ValueError(f"ragged_dot_general in a form FP8 does not run: {dict(params)}")
     a = _canonical(x, form.lhs_perm, None)
     b = _canonical(w, form.rhs_perm, len(form.rhs_free))
     kinds = ("act", "weight" if plain[1] else "act")
