@@ -4,7 +4,8 @@ Each model is a real library's own classes at a tiny size, with what real traini
 has and unit tests tend to lack: ``custom_jvp`` activations (relu, gelu, silu, softplus),
 dropout, typed PRNG keys (as arguments, and as constants of the trace when the batch is
 closed over by an outer ``jit``), convolutions, attention with a causal mask, embeddings,
-normalization layers and a reparameterization through a jitted function.
+normalization layers, a reparameterization through a jitted function and a mixture of
+experts through ``jax.lax.ragged_dot``.
 
 A model is ``Model(name, loss, params, batch)``: ``loss(params, *batch)`` is a float32
 scalar, ``params`` a float32 pytree (the first argument, the one that is differentiated
@@ -184,6 +185,32 @@ def _vae() -> Model:
     return Model("vae", loss, params, (x, _labels(16, 8), key))
 
 
+def _moe() -> Model:
+    """Top-2 of 4 experts through ``jax.lax.ragged_dot``, tokens sorted by expert."""
+    experts, d, hidden = 4, 16, 32
+    params = {
+        "router": 0.1 * _normal(17, d, experts),
+        "up": _normal(18, experts, d, hidden) / 4,
+        "down": _normal(19, experts, hidden, d) / 6,
+        "head": _normal(20, d, CLASSES) / 4,
+    }
+
+    def loss(params, x, y, key):
+        # Router jitter from the key (the noise Switch Transformers add to the logits).
+        logits = x @ params["router"] + 0.01 * jax.random.normal(key, (x.shape[0], experts))
+        gates, chosen = jax.lax.top_k(jax.nn.softmax(logits), 2)
+        expert = chosen.reshape(-1)
+        order = jnp.argsort(expert)
+        token = order // 2
+        sizes = jnp.bincount(expert, length=experts).astype(jnp.int32)
+        h = jax.nn.silu(jax.lax.ragged_dot(x[token], params["up"], sizes))
+        out = jax.lax.ragged_dot(h, params["down"], sizes) * gates.reshape(-1)[order][:, None]
+        mixed = jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
+        return _cross_entropy((x + mixed) @ params["head"], y)
+
+    return Model("moe", loss, params, (_normal(21, 16, d), _labels(22, 16), jax.random.key(23)))
+
+
 # Flax's VAE example draws its noise in a jitted function: under an outer jit that closes
 # over the batch, the key reaches it as a constant of the trace.
 @jax.jit
@@ -198,6 +225,7 @@ BUILDERS: dict[str, Callable[[], Model]] = {
     "equinox_mlp": _equinox_mlp,
     "gpt": _gpt,
     "vae": _vae,
+    "moe": _moe,
 }
 NAMES = tuple(BUILDERS)
 
