@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._fp8._scalings import SCALINGS, native_scaling
+from jaxamp._fp8._scalings import SCALINGS, names, native_scaling
 from jaxamp._policy import Policy
 
 __all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe"]
@@ -162,10 +162,12 @@ class Float8Recipe:
     reduce_dtype: Any = jnp.float32
 
     def __post_init__(self):
-        if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
+        fp8 = names("fp8")  # the FP4 formats are Float4Recipe's
+        if not isinstance(self.scaling, str) or self.scaling not in fp8:
+            fp4 = " (FP4: jaxamp.Float4Recipe(format=...))" if self.scaling in SCALINGS else ""
             raise ValueError(
-                f"Float8Recipe(scaling=...) must be one of {', '.join(map(repr, SCALINGS))}; "
-                f"got {self.scaling!r}."
+                f"Float8Recipe(scaling=...) must be one of {', '.join(map(repr, fp8))}; "
+                f"got {self.scaling!r}{fp4}."
             )
         _check_gemm(self.gemm, self.scaling)
         if not isinstance(self.power_of_two_scale, (bool, np.bool_)):

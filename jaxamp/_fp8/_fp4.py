@@ -1,0 +1,262 @@
+"""FP4 products for autocast: NVFP4 and MXFP4 quantization and the three products of a dot.
+
+A ``dot_general`` is brought to ``[B, P, C] x [B, Q, C]`` (as FP8's, ``_matmul``),
+zero-padded to whole blocks along P, Q and C (zeros change neither an amax nor
+a product; each dim is a contracting dim of one of the three products), and a
+``custom_vjp`` runs:
+
+- fprop ``[B, P, Q]``: both operands round to nearest, blocks along C;
+- dgrad ``da = g . b`` over Q: the gradient stochastically rounded, blocks along
+  Q; the weight's 16x16 NVFP4 tiles are the forward's codes, transposed;
+- wgrad ``db = g^T . a^T`` over P (the token dim): both operands after a
+  random-sign Hadamard transform of one block along P, the gradient stochastic.
+
+Codes are ``float4_e2m1fn`` ``[B, R, KB, n]`` with float32 scales ``[B, R, KB]``
+(the value is code x scale). Each product is a per-block batched float4
+``dot_general`` (the form XLA:CPU compiles) with float32 results, scaled per
+block and summed in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxamp._casting import F32, QUANTIZE_SCOPE
+from jaxamp._engine._contractions import dot_dims
+from jaxamp._fp8._fp4_recipe import Float4Recipe
+from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
+from jaxamp._fp8._scalings import SCALINGS, scope_name
+
+__all__ = ["HADAMARD_SIGNS", "fp4_operands", "hadamard", "quantize4", "rounding_bits"]
+
+E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+F32_MAX = np.float32(np.finfo(np.float32).max)
+# MXFP4 scales stay within [2**-126, 2**126]: a scale and its inverse are then
+# normal float32 numbers (XLA:CPU flushes float32 subnormals to zero).
+_MAX_EXP = 126
+# Transformer Engine's fixed signs of its 16-point random Hadamard transform;
+# tiled for MXFP4's 32 points.
+HADAMARD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def hadamard(x: jax.Array, n: int) -> jax.Array:
+    """``diag(s) @ H_n / sqrt(n)`` applied to each block of ``n`` along ``x``'s last dim.
+
+    ``H_n`` is Sylvester's (``[[H, H], [H, -H]]``), applied as the fast
+    Walsh-Hadamard butterfly: additions only, no ``dot_general`` (a float32
+    matmul would show in ``precision_report`` as one). Then the signs and one
+    multiply by ``1/sqrt(n)`` (0.25 for 16 points): the transform of values on
+    a coarse grid is exact.
+    """
+    *lead, c = x.shape
+    y = x.astype(F32).reshape(*lead, c // n, 1, n)
+    while y.shape[-1] > 1:  # [..., G, L] -> [..., 2G, L/2]: (first + second, first - second)
+        half = y.shape[-1] // 2
+        first, second = y[..., :half], y[..., half:]
+        y = jnp.stack([first + second, first - second], axis=-2)
+        y = y.reshape(*y.shape[:-3], -1, half)
+    signs = np.resize(np.asarray(HADAMARD_SIGNS, np.float32), n) * np.float32(1 / np.sqrt(n))
+    return (y[..., 0] * signs).reshape(x.shape)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection mixing every input bit into every output bit."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def rounding_bits(y: jax.Array, seed: jax.Array | int) -> jax.Array:
+    """Random uint32 bits for stochastic rounding, one per value of ``y``.
+
+    Counter-based and stateless: each value's position is hashed, a digest of
+    the whole array's bits (a sum of hashes of value and position) keys it with
+    the seed, and the bits are a hash of both. The same seed and ``y`` give
+    the same bits; a new step's gradient (any value changed) gives new ones,
+    with nothing to thread through the training loop and no host round trip.
+    """
+    index = _fmix32(jnp.arange(y.size, dtype=jnp.uint32).reshape(y.shape))
+    values = jax.lax.bitcast_convert_type(y.astype(F32), jnp.uint32)
+    digest = jnp.sum(_fmix32(values ^ index), dtype=jnp.uint32)
+    key = _fmix32(digest ^ _fmix32(jnp.asarray(seed, jnp.uint32) + np.uint32(0x9E3779B9)))
+    return _fmix32(index ^ key)
+
+
+def _stochastic_e2m1(y: jax.Array, bits: jax.Array) -> jax.Array:
+    """``y`` (within +-6) rounded up to its next E2M1 magnitude with probability
+    ``(|y| - lo) / step``, else down: unbiased. All of it exact in float32."""
+    a = jnp.abs(y)
+    step = jnp.where(a < 2, np.float32(0.5), jnp.where(a < 4, np.float32(1), np.float32(2)))
+    lo = jnp.floor(a / step) * step
+    u = (bits >> np.uint32(8)).astype(F32) * np.float32(2.0**-24)  # uniform in [0, 1)
+    up = u < (a - lo) / step
+    return jnp.copysign(jnp.where(up, lo + step, lo), y)
+
+
+def _encode(y: jax.Array, seed: int | None) -> jax.Array:
+    """E2M1 codes of ``y`` saturated to +-6: nearest even, or stochastic with ``seed``."""
+    y = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
+    if seed is not None:
+        y = _stochastic_e2m1(y, rounding_bits(y, seed))
+    return y.astype(E2M1)
+
+
+def _nvfp4_scales(tiles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(encode, decode) scales of NVFP4 tiles ``[B, R/rows, rows, KB, 16]``, per tile."""
+    amax = jnp.max(jnp.abs(tiles))
+    s_enc = np.float32(E4M3_MAX * E2M1_MAX) / amax
+    s_enc = jnp.where((amax == 0) | (s_enc == 0), np.float32(1), jnp.minimum(s_enc, F32_MAX))
+    block_amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)
+    s_b = jnp.minimum(block_amax * (s_enc / np.float32(E2M1_MAX)), np.float32(E4M3_MAX))
+    decode = s_b.astype(E4M3).astype(F32) / s_enc
+    return jnp.minimum(1 / decode, F32_MAX), decode
+
+
+def _mxfp4_scales(tiles: jax.Array, ceil: bool) -> tuple[jax.Array, jax.Array]:
+    """(encode, decode) E8M0 scales of MXFP4 blocks ``[B, R, 1, KB, 32]``, exact powers of two.
+
+    floor: ``2**(floor(log2(amax)) - 2)``; ceil: ``2**ceil(log2(amax / 6))``,
+    from the binary exponents (``frexp``), 1 for an all-zero block.
+    """
+    amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)
+    if ceil:
+        mantissa, exponent = jnp.frexp(amax / np.float32(E2M1_MAX))
+        exp = exponent - (mantissa == 0.5).astype(exponent.dtype)
+    else:
+        exp = jnp.frexp(amax)[1] - 3  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
+    exp = jnp.where(amax == 0, 0, jnp.clip(exp, -_MAX_EXP, _MAX_EXP))
+    one = jnp.ones_like(amax)
+    return jnp.ldexp(one, -exp), jnp.ldexp(one, exp)
+
+
+def quantize4(
+    x: jax.Array, fmt: str, rows: int, *, ceil: bool = False, seed: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``x`` ``[B, R, C]`` (R a multiple of ``rows``, C of the block) -> (codes, scales).
+
+    Codes ``float4_e2m1fn`` ``[B, R, KB, n]``, scales float32 ``[B, R, KB]``;
+    the values are ``codes * scales``. ``rows``: 1, or 16 for NVFP4's 16x16
+    weight tiles. ``seed``: stochastic rounding (None: nearest even).
+    """
+    with jax.named_scope(QUANTIZE_SCOPE):
+        b, r, c = x.shape
+        n = SCALINGS[fmt].groups["act"].block
+        tiles = x.astype(F32).reshape(b, r // rows, rows, c // n, n)
+        if SCALINGS[fmt].tensor_scale:
+            encode, decode = _nvfp4_scales(tiles)
+        else:
+            encode, decode = _mxfp4_scales(tiles, ceil)
+        codes = _encode(tiles * encode, seed).reshape(b, r, c // n, n)
+        decode = jnp.broadcast_to(decode[..., 0], (b, r // rows, rows, c // n))
+        return codes, decode.reshape(b, r, c // n)
+
+
+def _transposed_tiles(quantized: tuple, n: int) -> tuple[jax.Array, jax.Array]:
+    """The codes of ``[B, Q, C]`` in ``n x n`` tiles as those of ``[B, C, Q]``: the same tiles."""
+    codes, decode = quantized
+    b, q, kb, _ = codes.shape
+    codes = jnp.swapaxes(codes.reshape(b, q, kb * n), 1, 2).reshape(b, kb * n, q // n, n)
+    per_tile = jnp.swapaxes(decode[:, ::n], 1, 2)  # [B, KB, Q/n]
+    return codes, jnp.repeat(per_tile, n, axis=1)
+
+
+def _product(a: tuple, b: tuple, out_dtype: np.dtype) -> jax.Array:
+    """``[B, P, C] x [B, Q, C] -> [B, P, Q]``: float4 products per block, scaled, summed."""
+    (qa, sa), (qb, sb) = a, b
+    partial = jax.lax.dot_general(
+        qa, qb, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=F32
+    )  # [B, KB, P, Q], exact: 16 or 32 products of E2M1 values
+    a_scale = jnp.transpose(sa, (0, 2, 1))[..., None]
+    b_scale = jnp.transpose(sb, (0, 2, 1))[:, :, None, :]
+    return jnp.sum(partial * a_scale * b_scale, axis=1).astype(out_dtype)
+
+
+def _canonical_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple):
+    """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` in FP4 with FP4 backward products (padded dims)."""
+    fmt, n, out_dtype = recipe.format, recipe.block, recipe.compute_dtype
+    ceil = recipe.scale_rounding == "ceil"
+    sr = recipe.seed if recipe.stochastic_rounding else None
+    scope = scope_name(fmt, False)
+
+    def forward(a, b):
+        with jax.named_scope(scope):
+            qa = quantize4(a, fmt, 1, ceil=ceil)
+            qb = quantize4(b, fmt, n if weight_tiles else 1, ceil=ceil)
+            return _product(qa, qb, out_dtype), (a, qb if weight_tiles else b)
+
+    @jax.custom_vjp
+    def matmul(a, b):
+        return forward(a, b)[0]
+
+    def bwd(saved, g):
+        a, b = saved
+        g = g.astype(F32)
+        with jax.named_scope(scope):
+            # dgrad da[B, P, C] = g[B, P, Q] . b over Q.
+            qg = quantize4(g, fmt, 1, ceil=ceil, seed=sr)
+            qb_t = _transposed_tiles(b, n) if weight_tiles else quantize4(_t(b), fmt, 1, ceil=ceil)
+            da = _product(qg, qb_t, F32)
+            # wgrad db[B, Q, C] = g^T[B, Q, P] . a^T[B, C, P] over P, the token dim.
+            g_t, a_t = _t(g), _t(a)
+            if recipe.hadamard:
+                g_t, a_t = hadamard(g_t, n), hadamard(a_t, n)
+            db = _product(
+                quantize4(g_t, fmt, 1, ceil=ceil, seed=sr), quantize4(a_t, fmt, 1, ceil=ceil), F32
+            )
+        return da.astype(dtypes[0]), db.astype(dtypes[1])
+
+    matmul.defvjp(forward, bwd)
+    return matmul
+
+
+def _pad(x: jax.Array, multiple: int) -> jax.Array:
+    """``[B, R, C]`` zero-padded to whole blocks along R and C."""
+    widths = [(0, 0), (0, -x.shape[1] % multiple), (0, -x.shape[2] % multiple)]
+    return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+def _fp4_dot(recipe: Float4Recipe, params: dict, x, w, weight: bool):
+    lb, lf, lc, rb, rf, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
+    out_shape = (
+        *(x.shape[d] for d in lb),
+        *(x.shape[d] for d in lf),
+        *(w.shape[d] for d in rf),
+    )
+    a, b = _to_canonical(x, lb, lf, lc), _to_canonical(w, rb, rf, rc)
+    p, q = a.shape[1], b.shape[1]
+    tiles = weight and SCALINGS[recipe.format].groups["weight"].rows != 1
+    matmul = _canonical_matmul(recipe, tiles and recipe.weight_blocks_2d, (a.dtype, b.dtype))
+    out = matmul(_pad(a, recipe.block), _pad(b, recipe.block))[:, :p, :q]
+    return out.reshape(out_shape)
+
+
+def fp4_operands(recipe: Float4Recipe, eqn: jex.JaxprEqn, x, w, plain: tuple[bool, bool]):
+    """autocast's hook under a Float4Recipe: ``(x, w, matmul)``, or None to run it as usual.
+
+    FP4 takes ``dot_general`` only (convolutions stay in the compute dtype, as
+    in the NVFP4 paper: GEMMs only), and of those the ones with a parameter,
+    input or constant operand (``plain``) unless ``quantize_activation_products``.
+    A plain right operand is a weight (NVFP4's 16x16 tiles).
+    """
+    if eqn.primitive.name != "dot_general":
+        return None
+    if not any(plain) and not recipe.quantize_activation_products:
+        return None
+    x, w = (
+        v if p else _to_dtype(v, recipe.compute_dtype) for v, p in zip((x, w), plain, strict=True)
+    )
+
+    def matmul(eqn: jex.JaxprEqn, x, w, *extra, dtype: np.dtype):
+        del extra, dtype  # a dot has no extra operands; the recipe gives the dtype
+        return _fp4_dot(recipe, eqn.params, x, w, plain[1])
+
+    return x, w, matmul
