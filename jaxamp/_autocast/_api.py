@@ -17,7 +17,7 @@ from jaxamp._autocast._remat import save_narrow_values
 from jaxamp._autocast._values import PLAIN, cast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_bool, check_callable, is_int
-from jaxamp._engine._trace import trace
+from jaxamp._engine._trace import flatten_call, trace
 from jaxamp._fp8 import RECIPES, Float4Recipe, Float8Recipe, recipe_weights
 from jaxamp._policy import Policy
 from jaxamp._resolve import resolve
@@ -116,12 +116,14 @@ def autocast(
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):
         closed, arrays, out_tree = trace(fun, args, kwargs)
+        # Each input's key path: FP4's high_precision matches parameters by name.
+        paths = flatten_call(fun, args, kwargs).paths if recipe is not None else None
         warn_unhonoured_wire_dtypes(policy, list(arrays), getattr(fun, "__name__", "fun"))
         autocaster = Autocaster(policy, table, multiple, recipe=recipe)
 
         def run(*dyn):
-            if recipe is not None:  # every weight's FP8 scale from one reduction
-                autocaster.recipe_weights = recipe_weights(recipe, closed, dyn)
+            if recipe is not None:  # FP8: every weight's scale from one reduction
+                autocaster.recipe_weights = recipe_weights(recipe, closed, dyn, paths)
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]
 
         if remat:

@@ -156,6 +156,10 @@ def quantize4(
         else:
             encode, decode = _mxfp4_scales(tiles, ceil)
         codes = _encode(tiles * encode, seed).reshape(b, r, c // n, n)
+        # An inf or NaN in a block makes its scale NaN, so the product is NaN too: E2M1
+        # has neither, and a saturated code would hide an overflow from loss scaling.
+        finite = jnp.isfinite(jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True))
+        decode = jnp.where(finite, decode, np.float32(np.nan))
         decode = jnp.broadcast_to(decode[..., 0], (b, r // rows, rows, c // n))
         return codes, decode.reshape(b, r, c // n)
 

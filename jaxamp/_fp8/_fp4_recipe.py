@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -98,7 +97,7 @@ def _check_gemm(gemm: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Float4Recipe:
-    """FP4 matmuls (NVFP4 or MXFP4) for :func:`jaxamp.autocast`, with their training recipe.
+    r"""FP4 matmuls (NVFP4 or MXFP4) for :func:`jaxamp.autocast`, with their training recipe.
 
     Under ``jaxamp.autocast(fun, recipe)`` every ``dot_general`` with a
     parameter or input operand (autocast's PLAIN role) runs with
@@ -124,10 +123,12 @@ class Float4Recipe:
       scale_rounding: MXFP4's block scale, ``"floor"`` (default, OCP:
         ``2**(floor(log2(amax)) - 2)``) or ``"ceil"`` (``2**ceil(log2(amax / 6))``,
         Transformer Engine's and JAX's). Only ``"floor"`` under NVFP4.
-      high_precision: None, or a regular expression or tuple of them for the
-        parameters (``jax.tree_util.keystr`` of their path in ``fun``'s first
-        argument) whose matmuls are to stay in the compute dtype. Validated and
-        stored; not applied yet (a warning says so).
+      high_precision: None, or a regular expression or tuple of them, each
+        matched with ``re.search`` against ``jax.tree_util.keystr`` of the path
+        of each leaf of ``fun``'s first argument (e.g. ``r"\['head'\]"``): a
+        matmul with an operand from a matching leaf (seen through reshapes,
+        transposes and jit/checkpoint/custom_jvp bodies; not through casts or
+        into scan bodies) runs in the compute dtype.
       quantize_activation_products: quantize products of two activations
         (attention's QK and PV) too; by default they run in ``compute_dtype``.
       compute_dtype: the dtype of matmul results and of everything else,
@@ -189,13 +190,6 @@ class Float4Recipe:
             "(default) or jnp.float16",
         )
         set_(self, "compute_dtype", dtype)
-        if self.high_precision is not None:
-            warnings.warn(
-                "Float4Recipe(high_precision=...) is validated but not applied yet: "
-                "every matmul with a parameter operand runs in FP4.",
-                UserWarning,
-                stacklevel=3,
-            )
 
     def __str__(self) -> str:
         flags = [

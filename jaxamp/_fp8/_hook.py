@@ -7,15 +7,17 @@ per evaluation; each dispatches on the recipe's type to its package's hook.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import jax
 import jax.extend.core as jex
 
 from jaxamp._fp8._fp4 import fp4_operands
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import FP8_PRIMITIVES, fp8_operands, fp8_weight_amaxes
 from jaxamp._fp8._recipe import Float8Recipe
-from jaxamp._fp8._scales import WeightAmaxes
+from jaxamp._fp8._scales import WeightAmaxes, weight_operands
 
 __all__ = ["RECIPES", "Recipe", "recipe_operands", "recipe_weights"]
 
@@ -32,14 +34,37 @@ def recipe_operands(
     (autocast's PLAIN role); ``weights``: :func:`recipe_weights`' result.
     """
     if isinstance(recipe, Float4Recipe):
+        if weights is not None and id(eqn) in weights:  # high_precision: compute dtype
+            return None
         return fp4_operands(recipe, eqn, x, w, plain)
     if eqn.primitive.name not in FP8_PRIMITIVES:
         return None
     return fp8_operands(recipe, x, w, plain, weights)
 
 
-def recipe_weights(recipe: Recipe, closed: jex.ClosedJaxpr, inputs: Any) -> WeightAmaxes | None:
-    """The step's weight amaxes from one fused reduction (tensorwise FP8 only), else None."""
+def recipe_weights(
+    recipe: Recipe, closed: jex.ClosedJaxpr, inputs: Any, paths: list | None = None
+) -> Any:
+    """The per-evaluation pre-pass: what ``recipe_operands`` receives as ``weights``.
+
+    FP8 (tensorwise): the step's weight amaxes from one fused reduction. FP4 with
+    ``high_precision``: the ids of the contractions one of whose operands is a
+    matching leaf of ``fun``'s first argument (``paths``: each input's key path in
+    ``(args, kwargs)``), seen through views and jit/checkpoint/custom_jvp bodies.
+    Else None.
+    """
     if isinstance(recipe, Float8Recipe):
         return fp8_weight_amaxes(recipe, closed, inputs)
-    return None
+    if recipe.high_precision is None or paths is None:
+        return None
+    matching = {i for i, path in enumerate(paths) if _matches(recipe.high_precision, path)}
+    return frozenset(eqn for (eqn, _), i in weight_operands(closed).items() if i in matching)
+
+
+def _matches(patterns: tuple[str, ...], path: tuple) -> bool:
+    """Whether ``path`` (in ``(args, kwargs)``) is in ``args[0]`` and a pattern finds its keystr."""
+    first = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0))
+    if tuple(path[:2]) != first:
+        return False
+    name = jax.tree_util.keystr(tuple(path[2:]))
+    return any(re.search(pattern, name) for pattern in patterns)
