@@ -236,10 +236,18 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     batch, m, k = lhs.shape
     n = rhs.shape[1]
     info = _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
-    # Its block scales make it an MX product wherever it was written.
-    if info.fp8_recipe or not info.is_fp8:
+    # Its block scales make it an MX (or NVFP4) product wherever it was written.
+    if info.fp8_recipe:
         return info
-    return dataclasses.replace(info, fp8_recipe=native_scaling())
+    if info.is_fp8:
+        return dataclasses.replace(info, fp8_recipe=native_scaling())
+    scale = np.dtype(eqn.invars[2].aval.dtype).name
+    fp4 = [
+        name
+        for name, s in SCALINGS.items()
+        if s.element in info.operand_dtypes and s.scale_format == scale
+    ]
+    return dataclasses.replace(info, fp8_recipe=fp4[0]) if fp4 else info
 
 
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:

@@ -19,6 +19,8 @@ block and summed in float32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
@@ -26,12 +28,22 @@ import ml_dtypes
 import numpy as np
 
 from jaxamp._casting import F32, QUANTIZE_SCOPE
+from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import dot_dims
+from jaxamp._fp8 import _native
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
 from jaxamp._fp8._scalings import SCALINGS, scope_name
 
-__all__ = ["HADAMARD_SIGNS", "fp4_operands", "hadamard", "quantize4", "rounding_bits"]
+__all__ = [
+    "HADAMARD_SIGNS",
+    "Quantized",
+    "fp4_operands",
+    "hadamard",
+    "quantize4",
+    "rounding_bits",
+    "uses_native",
+]
 
 E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -110,21 +122,22 @@ def _encode(y: jax.Array, seed: int | None) -> jax.Array:
     return y.astype(E2M1)
 
 
-def _nvfp4_scales(tiles: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(encode, decode) scales of NVFP4 tiles ``[B, R/rows, rows, KB, 16]``, per tile."""
+def _nvfp4_scales(tiles: jax.Array) -> tuple[jax.Array, ...]:
+    """(encode, decode, s_b, S_enc) of NVFP4 tiles ``[B, R/rows, rows, KB, 16]``, per tile."""
     amax = jnp.max(jnp.abs(tiles))
     s_enc = np.float32(E4M3_MAX * E2M1_MAX) / amax
     s_enc = jnp.where((amax == 0) | (s_enc == 0), np.float32(1), jnp.minimum(s_enc, F32_MAX))
     block_amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)
     s_b = jnp.minimum(block_amax * (s_enc / np.float32(E2M1_MAX)), np.float32(E4M3_MAX))
-    decode = s_b.astype(E4M3).astype(F32) / s_enc
-    return jnp.minimum(1 / decode, F32_MAX), decode
+    s_b = s_b.astype(E4M3).astype(F32)
+    decode = s_b / s_enc
+    return jnp.minimum(1 / decode, F32_MAX), decode, s_b, s_enc
 
 
-def _mxfp4_scales(tiles: jax.Array, ceil: bool) -> tuple[jax.Array, jax.Array]:
-    """(encode, decode) E8M0 scales of MXFP4 blocks ``[B, R, 1, KB, 32]``, exact powers of two.
+def _mxfp4_scales(tiles: jax.Array, ceil: bool) -> tuple[jax.Array, ...]:
+    """(encode, decode, decode, 1): E8M0 scales of MXFP4 blocks ``[B, R, 1, KB, 32]``.
 
-    floor: ``2**(floor(log2(amax)) - 2)``; ceil: ``2**ceil(log2(amax / 6))``,
+    Exact powers of two; floor: ``2**(floor(log2(amax)) - 2)``; ceil: ``2**ceil(log2(amax / 6))``,
     from the binary exponents (``frexp``), 1 for an all-zero block.
     """
     amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)
@@ -135,52 +148,115 @@ def _mxfp4_scales(tiles: jax.Array, ceil: bool) -> tuple[jax.Array, jax.Array]:
         exp = jnp.frexp(amax)[1] - 3  # amax = m * 2**e, m in [0.5, 1): floor(log2) = e - 1
     exp = jnp.where(amax == 0, 0, jnp.clip(exp, -_MAX_EXP, _MAX_EXP))
     one = jnp.ones_like(amax)
-    return jnp.ldexp(one, -exp), jnp.ldexp(one, exp)
+    decode = jnp.ldexp(one, exp)
+    return jnp.ldexp(one, -exp), decode, decode, np.float32(1)
+
+
+class Quantized(NamedTuple):
+    """An operand ``[B, R, C]`` in FP4: its values are ``codes * decode``.
+
+    ``block``: the block scales as their format stores them (NVFP4's E4M3
+    ``s_b``, MXFP4's E8M0 ``X``), float32 ``[B, R, KB]``; ``tensor``: NVFP4's
+    ``S_enc`` (``decode = block / tensor``), 1 for MXFP4. The native GEMM takes
+    ``block`` and applies ``tensor`` after.
+    """
+
+    codes: jax.Array  # float4_e2m1fn [B, R, KB, n]
+    decode: jax.Array  # float32 [B, R, KB]
+    block: jax.Array  # float32 [B, R, KB]
+    tensor: jax.Array  # float32 []
 
 
 def quantize4(
     x: jax.Array, fmt: str, rows: int, *, ceil: bool = False, seed: int | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """``x`` ``[B, R, C]`` (R a multiple of ``rows``, C of the block) -> (codes, scales).
+) -> Quantized:
+    """``x`` ``[B, R, C]`` (R a multiple of ``rows``, C of the block) in FP4.
 
-    Codes ``float4_e2m1fn`` ``[B, R, KB, n]``, scales float32 ``[B, R, KB]``;
-    the values are ``codes * scales``. ``rows``: 1, or 16 for NVFP4's 16x16
-    weight tiles. ``seed``: stochastic rounding (None: nearest even).
+    ``rows``: 1, or 16 for NVFP4's 16x16 weight tiles. ``seed``: stochastic
+    rounding (None: nearest even).
     """
     with jax.named_scope(QUANTIZE_SCOPE):
         b, r, c = x.shape
         n = SCALINGS[fmt].groups["act"].block
         tiles = x.astype(F32).reshape(b, r // rows, rows, c // n, n)
         if SCALINGS[fmt].tensor_scale:
-            encode, decode = _nvfp4_scales(tiles)
+            encode, decode, block, tensor = _nvfp4_scales(tiles)
         else:
-            encode, decode = _mxfp4_scales(tiles, ceil)
+            encode, decode, block, tensor = _mxfp4_scales(tiles, ceil)
         codes = _encode(tiles * encode, seed).reshape(b, r, c // n, n)
         # An inf or NaN in a block makes its scale NaN, so the product is NaN too: E2M1
         # has neither, and a saturated code would hide an overflow from loss scaling.
         finite = jnp.isfinite(jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True))
-        decode = jnp.where(finite, decode, np.float32(np.nan))
-        decode = jnp.broadcast_to(decode[..., 0], (b, r // rows, rows, c // n))
-        return codes, decode.reshape(b, r, c // n)
+
+        def per_row(scale):
+            scale = jnp.where(finite, scale, np.float32(np.nan))
+            return jnp.broadcast_to(scale[..., 0], (b, r // rows, rows, c // n)).reshape(b, r, -1)
+
+        return Quantized(codes, per_row(decode), per_row(block), jnp.asarray(tensor, F32))
 
 
-def _transposed_tiles(quantized: tuple, n: int) -> tuple[jax.Array, jax.Array]:
+def _transposed_tiles(quantized: Quantized, n: int) -> Quantized:
     """The codes of ``[B, Q, C]`` in ``n x n`` tiles as those of ``[B, C, Q]``: the same tiles."""
-    codes, decode = quantized
+    codes = quantized.codes
     b, q, kb, _ = codes.shape
     codes = jnp.swapaxes(codes.reshape(b, q, kb * n), 1, 2).reshape(b, kb * n, q // n, n)
-    per_tile = jnp.swapaxes(decode[:, ::n], 1, 2)  # [B, KB, Q/n]
-    return codes, jnp.repeat(per_tile, n, axis=1)
+
+    def per_row(scale):  # [B, Q, KB] (rows of a tile alike) -> [B, C, Q/n]
+        return jnp.repeat(jnp.swapaxes(scale[:, ::n], 1, 2), n, axis=1)
+
+    return Quantized(codes, per_row(quantized.decode), per_row(quantized.block), quantized.tensor)
 
 
-def _product(a: tuple, b: tuple, out_dtype: np.dtype) -> jax.Array:
-    """``[B, P, C] x [B, Q, C] -> [B, P, Q]``: float4 products per block, scaled, summed."""
-    (qa, sa), (qb, sb) = a, b
+def uses_native(recipe: Float4Recipe) -> bool:
+    """Whether ``recipe``'s products run as ``jax.nn.scaled_matmul`` (decided when traced).
+
+    ``"auto"``: on NVIDIA GPUs of compute capability 10.0 or newer (Blackwell's
+    block-scaled FP4 Tensor Cores), as for MXFP8 (``_native``).
+    """
+    if recipe.gemm == "emulated":
+        return False
+    backend, capability = _native.platform()
+    if recipe.gemm == "auto":
+        return backend == "gpu" and capability >= _native.NATIVE_MIN_CAPABILITY
+    if not _native.native_lowers(backend):
+        raise ValueError(
+            f"Float4Recipe(gemm='native'): jax {jax.__version__} has no lowering of "
+            f"jax.nn.scaled_matmul for the {backend} backend (GPUs have one; CPUs from "
+            "jax 0.12). Use gemm='auto' (native where it runs) or gemm='emulated'."
+        )
+    return True
+
+
+def _native_product(a: Quantized, b: Quantized, out_dtype: np.dtype, fmt: str) -> jax.Array:
+    """The product in one ``jax.nn.scaled_matmul``: E2M1 operands, E4M3/E8M0 block scales.
+
+    The block scales are values of their format (exact casts); NVFP4's tensor
+    scales divide the float32 result.
+    """
+    scale_dtype = np.dtype(getattr(ml_dtypes, SCALINGS[fmt].scale_format))
+    out = jax.nn.scaled_matmul(
+        a.codes.reshape(*a.codes.shape[:2], -1),
+        b.codes.reshape(*b.codes.shape[:2], -1),
+        a.block.astype(scale_dtype),
+        b.block.astype(scale_dtype),
+        preferred_element_type=F32,
+    )
+    out = compat.vary_like(out, a.codes, b.codes)
+    return (out / (a.tensor * b.tensor)).astype(out_dtype)
+
+
+def _product(a: Quantized, b: Quantized, out_dtype: np.dtype, native: str | None) -> jax.Array:
+    """``[B, P, C] x [B, Q, C] -> [B, P, Q]``: float4 products per block, scaled, summed.
+
+    ``native``: the format, for ``jax.nn.scaled_matmul`` (None: emulated).
+    """
+    if native is not None:
+        return _native_product(a, b, out_dtype, native)
     partial = jax.lax.dot_general(
-        qa, qb, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=F32
+        a.codes, b.codes, (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=F32
     )  # [B, KB, P, Q], exact: 16 or 32 products of E2M1 values
-    a_scale = jnp.transpose(sa, (0, 2, 1))[..., None]
-    b_scale = jnp.transpose(sb, (0, 2, 1))[:, :, None, :]
+    a_scale = jnp.transpose(a.decode, (0, 2, 1))[..., None]
+    b_scale = jnp.transpose(b.decode, (0, 2, 1))[:, :, None, :]
     return jnp.sum(partial * a_scale * b_scale, axis=1).astype(out_dtype)
 
 
@@ -190,12 +266,13 @@ def _canonical_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple):
     ceil = recipe.scale_rounding == "ceil"
     sr = recipe.seed if recipe.stochastic_rounding else None
     scope = scope_name(fmt, False)
+    native = fmt if uses_native(recipe) else None
 
     def forward(a, b):
         with jax.named_scope(scope):
             qa = quantize4(a, fmt, 1, ceil=ceil)
             qb = quantize4(b, fmt, n if weight_tiles else 1, ceil=ceil)
-            return _product(qa, qb, out_dtype), (a, qb if weight_tiles else b)
+            return _product(qa, qb, out_dtype, native), (a, qb if weight_tiles else b)
 
     @jax.custom_vjp
     def matmul(a, b):
@@ -208,14 +285,13 @@ def _canonical_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple):
             # dgrad da[B, P, C] = g[B, P, Q] . b over Q.
             qg = quantize4(g, fmt, 1, ceil=ceil, seed=sr)
             qb_t = _transposed_tiles(b, n) if weight_tiles else quantize4(_t(b), fmt, 1, ceil=ceil)
-            da = _product(qg, qb_t, F32)
+            da = _product(qg, qb_t, F32, native)
             # wgrad db[B, Q, C] = g^T[B, Q, P] . a^T[B, C, P] over P, the token dim.
             g_t, a_t = _t(g), _t(a)
             if recipe.hadamard:
                 g_t, a_t = hadamard(g_t, n), hadamard(a_t, n)
-            db = _product(
-                quantize4(g_t, fmt, 1, ceil=ceil, seed=sr), quantize4(a_t, fmt, 1, ceil=ceil), F32
-            )
+            qg_t = quantize4(g_t, fmt, 1, ceil=ceil, seed=sr)
+            db = _product(qg_t, quantize4(a_t, fmt, 1, ceil=ceil), F32, native)
         return da.astype(dtypes[0]), db.astype(dtypes[1])
 
     matmul.defvjp(forward, bwd)

@@ -88,11 +88,6 @@ def _check_gemm(gemm: Any) -> None:
         raise ValueError(
             f"Float4Recipe(gemm=...) must be one of {', '.join(map(repr, GEMMS))}; got {gemm!r}."
         )
-    if gemm == "native":
-        raise ValueError(
-            "Float4Recipe(gemm='native') is not available yet: FP4 products run emulated "
-            "(float4 operands, a float32 product per block). Use gemm='auto' or 'emulated'."
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +128,12 @@ class Float4Recipe:
         (attention's QK and PV) too; by default they run in ``compute_dtype``.
       compute_dtype: the dtype of matmul results and of everything else,
         bfloat16 or float16.
-      gemm: ``"auto"`` (default) or ``"emulated"``: float4 operands, a float32
-        product per block, scaled and summed in float32. ``"native"``
-        (``jax.nn.scaled_matmul``) is not available yet.
+      gemm: how the products run (the same codes and scales either way).
+        ``"native"``: ``jax.nn.scaled_matmul``, JAX's block-scaled GEMM (cuDNN's
+        FP4 GEMM on NVIDIA Blackwell). ``"emulated"``: float4 operands in a
+        float32 product per block, scaled and summed in float32, which any
+        backend runs. ``"auto"`` (default): native on NVIDIA GPUs of compute
+        capability 10.0 or newer, emulated elsewhere.
       seed: the stochastic rounding's seed, an int in ``[0, 2**32)``. The
         random bits are a hash of the seed, each value's position and the bits
         of the whole gradient being rounded: the same seed and inputs give the
@@ -143,7 +141,9 @@ class Float4Recipe:
 
     Raises:
       ValueError: an unknown ``format``, ``scale_rounding`` or ``gemm``;
-        ``gemm="native"``; ``scale_rounding="ceil"`` under NVFP4; a seed out of
+        ``scale_rounding="ceil"`` under NVFP4; ``gemm="native"``, when a
+        product is traced, on a backend for which this JAX has no lowering of
+        ``jax.nn.scaled_matmul``; a seed out of
         range; a ``high_precision`` pattern that is no regular expression.
       TypeError: a non-bool switch, a non-int seed, a ``high_precision`` that
         is no str or tuple of str, a ``compute_dtype`` that is not 16-bit.

@@ -477,12 +477,6 @@ CASES = [
         ["scale_rounding", "'floor'", "'ceil'", "'nearest'"],
     ),
     (
-        'Float4Recipe(gemm="native")',
-        lambda: jaxamp.Float4Recipe(gemm="native"),
-        ValueError,
-        ["gemm='native'", "not available yet", "'emulated'"],
-    ),
-    (
         "Float4Recipe(hadamard=1)",
         lambda: jaxamp.Float4Recipe(hadamard=1),
         TypeError,
