@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._fp8._recipe import _COMPUTE_DTYPES, GEMMS, _one_of
+from jaxamp._fp8._recipe import _COMPUTE_DTYPES, GEMMS, _one_of, check_high_precision
 from jaxamp._fp8._scalings import SCALINGS, names
 from jaxamp._policy import Policy
 
@@ -41,27 +40,6 @@ def _check_seed(seed: Any) -> int:
     if not 0 <= int(seed) < _SEED_END:
         raise ValueError(f"Float4Recipe(seed=...) must be in [0, 2**32); got {int(seed)}.")
     return int(seed)
-
-
-def _check_high_precision(patterns: Any) -> tuple[str, ...] | None:
-    if patterns is None:
-        return None
-    items = (patterns,) if isinstance(patterns, str) else patterns
-    if not isinstance(items, tuple) or not all(isinstance(p, str) for p in items):
-        raise TypeError(
-            "Float4Recipe(high_precision=...) must be None, a regular expression or a tuple "
-            f"of them (str), matched against jax.tree_util.keystr of each parameter's path; "
-            f"got {type(patterns).__name__}: {patterns!r}."
-        )
-    for pattern in items:
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise ValueError(
-                f"Float4Recipe(high_precision=...): {pattern!r} is not a regular "
-                f"expression ({error})."
-            ) from None
-    return items
 
 
 def _check_format(fmt: Any, scale_rounding: Any) -> None:
@@ -181,7 +159,7 @@ class Float4Recipe:
             _check_bool(self.quantize_activation_products, "quantize_activation_products"),
         )
         set_(self, "seed", _check_seed(self.seed))
-        set_(self, "high_precision", _check_high_precision(self.high_precision))
+        set_(self, "high_precision", check_high_precision(self.high_precision, "Float4Recipe"))
         dtype = _one_of(
             self.compute_dtype,
             _COMPUTE_DTYPES,

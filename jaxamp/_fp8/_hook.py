@@ -8,7 +8,7 @@ per evaluation; each dispatches on the recipe's type to its package's hook.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
@@ -19,46 +19,57 @@ from jaxamp._fp8._matmul import FP8_PRIMITIVES, fp8_operands, fp8_weight_amaxes
 from jaxamp._fp8._recipe import Float8Recipe
 from jaxamp._fp8._scales import WeightAmaxes, weight_operands
 
-__all__ = ["RECIPES", "Recipe", "recipe_operands", "recipe_weights"]
+__all__ = ["RECIPES", "PrePass", "Recipe", "recipe_operands", "recipe_weights"]
 
 Recipe = Float8Recipe | Float4Recipe
 RECIPES = (Float8Recipe, Float4Recipe)
 
 
+class PrePass(NamedTuple):
+    """What autocast's pre-pass found, once per evaluation (:func:`recipe_weights`).
+
+    ``amaxes``: FP8 tensorwise weights' amaxes from one fused reduction, else
+    None. ``high_precision``: ids of the contractions ``high_precision`` keeps
+    in the compute dtype.
+    """
+
+    amaxes: WeightAmaxes | None
+    high_precision: frozenset
+
+
 def recipe_operands(
-    recipe: Recipe, eqn: jex.JaxprEqn, x: Any, w: Any, plain: tuple, weights: WeightAmaxes | None
+    recipe: Recipe, eqn: jex.JaxprEqn, x: Any, w: Any, plain: tuple, found: PrePass | None
 ) -> tuple | None:
     """``(x, w, matmul)`` for a contraction the recipe runs, None for one it leaves to autocast.
 
     ``plain[i]``: operand ``i`` is a parameter, an input or a constant
-    (autocast's PLAIN role); ``weights``: :func:`recipe_weights`' result.
+    (autocast's PLAIN role); ``found``: :func:`recipe_weights`' result.
     """
+    if found is not None and id(eqn) in found.high_precision:
+        return None  # the recipe's high_precision: the compute dtype
     if isinstance(recipe, Float4Recipe):
-        if weights is not None and id(eqn) in weights:  # high_precision: compute dtype
-            return None
         return fp4_operands(recipe, eqn, x, w, plain)
     if eqn.primitive.name not in FP8_PRIMITIVES:
         return None
-    return fp8_operands(recipe, x, w, plain, weights)
+    return fp8_operands(recipe, x, w, plain, None if found is None else found.amaxes)
 
 
 def recipe_weights(
     recipe: Recipe, closed: jex.ClosedJaxpr, inputs: Any, paths: list | None = None
-) -> Any:
-    """The per-evaluation pre-pass: what ``recipe_operands`` receives as ``weights``.
+) -> PrePass:
+    """The per-evaluation pre-pass: what ``recipe_operands`` receives as ``found``.
 
-    FP8 (tensorwise): the step's weight amaxes from one fused reduction. FP4 with
+    FP8 (tensorwise): the step's weight amaxes from one fused reduction. With
     ``high_precision``: the ids of the contractions one of whose operands is a
     matching leaf of ``fun``'s first argument (``paths``: each input's key path in
     ``(args, kwargs)``), seen through views and jit/checkpoint/custom_jvp bodies.
-    Else None.
     """
-    if isinstance(recipe, Float8Recipe):
-        return fp8_weight_amaxes(recipe, closed, inputs)
+    amaxes = fp8_weight_amaxes(recipe, closed, inputs) if isinstance(recipe, Float8Recipe) else None
     if recipe.high_precision is None or paths is None:
-        return None
+        return PrePass(amaxes, frozenset())
     matching = {i for i, path in enumerate(paths) if _matches(recipe.high_precision, path)}
-    return frozenset(eqn for (eqn, _), i in weight_operands(closed).items() if i in matching)
+    ids = frozenset(eqn for (eqn, _), i in weight_operands(closed).items() if i in matching)
+    return PrePass(amaxes, ids)
 
 
 def _matches(patterns: tuple[str, ...], path: tuple) -> bool:

@@ -524,6 +524,12 @@ CASES = [
         ValueError,
         ["'mixed_fp4'", "Float4Recipe", "'mixed_nvfp4'", "'mixed_mxfp4'"],
     ),
+    (
+        "Float8Recipe(high_precision=3)",
+        lambda: jaxamp.Float8Recipe(high_precision=3),
+        TypeError,
+        ["Float8Recipe(high_precision=...)", "regular expression", "keystr", "int: 3"],
+    ),
 ]
 
 

@@ -277,8 +277,9 @@ def test_bad_arguments(kwargs, error, match):
         jaxamp.Float4Recipe(**kwargs)
 
 
-def test_high_precision_keeps_matching_parameters_in_the_compute_dtype():
-    recipe = jaxamp.Float4Recipe(high_precision=r"\['head'\]")
+@pytest.mark.parametrize("cls", [jaxamp.Float4Recipe, jaxamp.Float8Recipe])
+def test_high_precision_keeps_matching_parameters_in_the_compute_dtype(cls):
+    recipe = cls(high_precision=r"\['head'\]")
     assert recipe.high_precision == (r"\['head'\]",) and "high-precision" in str(recipe)
     params = {"body": jnp.ones((32, 16)), "head": jnp.ones((16, 16))}
     x = jnp.ones((16, 32))
@@ -287,12 +288,17 @@ def test_high_precision_keeps_matching_parameters_in_the_compute_dtype():
         head = jax.jit(lambda h, w: h @ w.T)  # seen through jit and a transpose
         return jnp.sum(head(jnp.tanh(x @ params["body"]), params["head"]))
 
-    bf16 = ("bfloat16", "bfloat16")
-    assert dot_dtypes(jaxamp.autocast(net, recipe), params, x) == [(F4, F4), bf16]
-    grads = jax.grad(jaxamp.autocast(net, recipe))
-    assert sorted(dot_dtypes(grads, params, x)) == sorted([(F4, F4)] * 3 + [bf16] * 3)
-    every = jaxamp.Float4Recipe(high_precision=("nothing", "also_nothing"))
-    assert dot_dtypes(jaxamp.autocast(net, every), params, x) == [(F4, F4)] * 2
+    def kinds(fun):  # "low" (float4/float8) or "bf16" per product
+        return sorted(
+            "bf16" if d == ("bfloat16",) * 2 else "low" for d in dot_dtypes(fun, params, x)
+        )
+
+    assert kinds(jaxamp.autocast(net, recipe)) == ["bf16", "low"]
+    assert kinds(jax.grad(jaxamp.autocast(net, recipe))) == ["bf16"] * 3 + ["low"] * 3
+    every = cls(high_precision=("nothing", "also_nothing"))
+    assert kinds(jaxamp.autocast(net, every)) == ["low"] * 2
+    if cls is jaxamp.Float4Recipe:
+        assert dot_dtypes(jaxamp.autocast(net, recipe), params, x)[0] == (F4, F4)
 
 
 def test_fp8_recipe_rejects_an_fp4_format():
