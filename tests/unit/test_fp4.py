@@ -240,6 +240,23 @@ def test_an_overflow_stays_non_finite(fmt):
             assert np.isfinite(values[3, n:]).all() and np.isfinite(values[4:]).all()
 
 
+def test_scan_over_layers_gives_the_unrolled_bits():
+    # Stochastic rounding keys on values, not on a step counter: a scanned stack of
+    # layers rounds as the same layers written out, bit for bit.
+    ws, x = jnp.asarray(planted(4, (2 * 32, 32)).reshape(2, 32, 32)) / 8, planted(5, (16, 32))
+
+    def scanned(ws, x):
+        return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])
+
+    def unrolled(ws, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ ws[0]) @ ws[1]))
+
+    got, want = (
+        jax.jit(jax.grad(jaxamp.autocast(f, "mixed_nvfp4")))(ws, x) for f in (scanned, unrolled)
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_presets_and_recipe():
     assert jaxamp.Float4Recipe() == jaxamp.Float4Recipe("nvfp4")
     assert hash(jaxamp.Float4Recipe()) == hash(jaxamp.Float4Recipe("nvfp4"))
