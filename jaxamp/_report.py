@@ -20,7 +20,7 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
 from jaxamp._engine._contractions import conv_axes, dot_dims
 from jaxamp._engine._visit import walk
-from jaxamp._fp8._scalings import SCALINGS, native_scaling, scaling_of_scope
+from jaxamp._fp8._scalings import family_of, native_scaling, scaling_of_scope
 
 __all__ = [
     "MatmulInfo",
@@ -161,17 +161,11 @@ class PrecisionReport:
         return lines
 
 
-def _family(scaling: str) -> str:
-    """``"fp4"`` for an FP4 format's products (``nvfp4``, ``mxfp4``), else ``"fp8"``."""
-    base = scaling.split("+")[0]
-    return SCALINGS[base].family if base in SCALINGS else "fp8"
-
-
 def _row(m: MatmulInfo) -> tuple[str, ...]:
     """One line of the table: the op, shapes, dtypes, FLOPs and dims of ``m``."""
     dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
     count = f" (x{m.count})" if m.count != 1 else ""
-    recipe = f" {_family(m.fp8_recipe)}:{m.fp8_recipe}" if m.fp8_recipe else ""
+    recipe = f" {family_of(m.fp8_recipe)}:{m.fp8_recipe}" if m.fp8_recipe else ""
     return (
         _OP_NAMES[m.primitive],
         "x".join(map(str, m.lhs_shape)),
@@ -237,17 +231,10 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     n = rhs.shape[1]
     info = _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
     # Its block scales make it an MX (or NVFP4) product wherever it was written.
-    if info.fp8_recipe:
+    if info.fp8_recipe or not (info.is_fp8 or "float4_e2m1fn" in info.operand_dtypes):
         return info
-    if info.is_fp8:
-        return dataclasses.replace(info, fp8_recipe=native_scaling())
     scale = np.dtype(eqn.invars[2].aval.dtype).name
-    fp4 = [
-        name
-        for name, s in SCALINGS.items()
-        if s.element in info.operand_dtypes and s.scale_format == scale
-    ]
-    return dataclasses.replace(info, fp8_recipe=fp4[0]) if fp4 else info
+    return dataclasses.replace(info, fp8_recipe=native_scaling(info.operand_dtypes[0], scale))
 
 
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:

@@ -24,6 +24,7 @@ __all__ = [
     "SCOPE_PREFIX",
     "Groups",
     "Scaling",
+    "family_of",
     "names",
     "native_scaling",
     "scaling_named",
@@ -168,9 +169,23 @@ def scaling_named(name: str) -> Scaling:
     return SCALINGS[name]
 
 
-def native_scaling() -> str:
-    """The name of the scaling whose products ``jax.nn.scaled_matmul`` runs."""
+def native_scaling(element: str = "", scale: str = "float8_e8m0fnu") -> str:
+    """The scaling whose products ``jax.nn.scaled_matmul`` runs: ``"mxfp8"``; for
+    ``float4_e2m1fn`` operands the FP4 format with ``scale`` block scales (``""``: none).
+
+    >>> native_scaling(), native_scaling("float4_e2m1fn", "float8_e4m3fn")
+    ('mxfp8', 'nvfp4')
+    """
+    if element in {s.element for s in SCALINGS.values() if s.element}:
+        named = (n for n, s in SCALINGS.items() if (s.element, s.scale_format) == (element, scale))
+        return next(named, "")
     return next(name for name, scaling in SCALINGS.items() if scaling.native)
+
+
+def family_of(label: str) -> str:
+    """``"fp4"`` for an FP4 format's label (``"nvfp4"``), else ``"fp8"`` (``"rowwise+pow2"``)."""
+    base = label.split("+")[0]
+    return SCALINGS[base].family if base in SCALINGS else "fp8"
 
 
 def scope_name(scaling: str, power_of_two: bool) -> str:
