@@ -183,7 +183,8 @@ def quantize4(
             encode, decode, block, tensor = _nvfp4_scales(tiles)
         else:
             encode, decode, block, tensor = _mxfp4_scales(tiles, ceil)
-        codes = _encode(tiles * encode, seed).reshape(b, r, c // n, n)
+        # Reshaped before the cast: numerics_report sees one float4 result per operand.
+        codes = _encode((tiles * encode).reshape(b, r, c // n, n), seed)
         # An inf or NaN in a block makes its scale NaN, so the product is NaN too: E2M1
         # has neither, and a saturated code would hide an overflow from loss scaling.
         finite = jnp.isfinite(jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True))
