@@ -53,12 +53,12 @@ import optax
 import jaxamp
 from benchmarks import _harness, _models, low_precision
 from benchmarks._multi_gpu import multi_gpu_rows
-from jaxamp._fp8 import SCALINGS  # the scaling table: a new scaling gets its rows
+from jaxamp._fp8 import SCALINGS, names  # the scaling table: a new scaling gets its rows
 
 NAME = "gpu_speed"
 PAD_MULTIPLE = 64
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-FP8_SCALINGS = tuple(SCALINGS)
+FP8_SCALINGS = names("fp8")
 MX_GEMMS = ("emulated", "native")  # mxfp8 runs in both forms (Float8Recipe.gemm)
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384)
 # The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.

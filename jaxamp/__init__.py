@@ -18,7 +18,7 @@ from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
 from jaxamp._communication import Collective, CommunicationReport, communication_report
-from jaxamp._fp8 import Float8Recipe
+from jaxamp._fp8 import Float4Recipe, Float8Recipe
 from jaxamp._loss_scaling import (
     AccumulationState,
     DynamicLossScale,
@@ -54,6 +54,7 @@ __all__ = [
     "Collective",
     "CommunicationReport",
     "DynamicLossScale",
+    "Float4Recipe",
     "Float8Recipe",
     "LossScale",
     "LossScalingState",

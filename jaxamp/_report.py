@@ -20,7 +20,7 @@ from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
 from jaxamp._engine._contractions import conv_axes, dot_dims
 from jaxamp._engine._visit import walk
-from jaxamp._fp8._scalings import native_scaling, scaling_of_scope
+from jaxamp._fp8._scalings import family_of, native_scaling, scaling_of_scope
 
 __all__ = [
     "MatmulInfo",
@@ -56,8 +56,9 @@ class MatmulInfo:
         counts once).
       fp8_recipe: for an FP8 product of ``autocast(fun, jaxamp.Float8Recipe(...))``
         its scaling (a ``Float8Recipe.scaling`` such as ``"rowwise"``, with
-        ``"+pow2"`` for power-of-two scales), read from the product's name scope
-        (``jaxamp/_fp8/_scalings.py``); else ``""``.
+        ``"+pow2"`` for power-of-two scales), for an FP4 product its
+        ``Float4Recipe.format`` (``"nvfp4"``, ``"mxfp4"``), read from the
+        product's name scope (``jaxamp/_fp8/_scalings.py``); else ``""``.
     """
 
     primitive: str
@@ -164,7 +165,7 @@ def _row(m: MatmulInfo) -> tuple[str, ...]:
     """One line of the table: the op, shapes, dtypes, FLOPs and dims of ``m``."""
     dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
     count = f" (x{m.count})" if m.count != 1 else ""
-    recipe = f" fp8:{m.fp8_recipe}" if m.fp8_recipe else ""
+    recipe = f" {family_of(m.fp8_recipe)}:{m.fp8_recipe}" if m.fp8_recipe else ""
     return (
         _OP_NAMES[m.primitive],
         "x".join(map(str, m.lhs_shape)),
@@ -229,10 +230,11 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     batch, m, k = lhs.shape
     n = rhs.shape[1]
     info = _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
-    # Its block scales make it an MX product wherever it was written.
-    if info.fp8_recipe or not info.is_fp8:
+    # Its block scales make it an MX (or NVFP4) product wherever it was written.
+    if info.fp8_recipe or not (info.is_fp8 or "float4_e2m1fn" in info.operand_dtypes):
         return info
-    return dataclasses.replace(info, fp8_recipe=native_scaling())
+    scale = np.dtype(eqn.invars[2].aval.dtype).name
+    return dataclasses.replace(info, fp8_recipe=native_scaling(info.operand_dtypes[0], scale))
 
 
 def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:

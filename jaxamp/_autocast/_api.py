@@ -17,8 +17,8 @@ from jaxamp._autocast._remat import save_narrow_values
 from jaxamp._autocast._values import PLAIN, cast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_bool, check_callable, is_int
-from jaxamp._engine._trace import trace
-from jaxamp._fp8 import Float8Recipe, fp8_weight_amaxes
+from jaxamp._engine._trace import flatten_call, trace
+from jaxamp._fp8 import RECIPES, Float4Recipe, Float8Recipe, recipe_weights
 from jaxamp._policy import Policy
 from jaxamp._resolve import resolve
 from jaxamp._wire import warn_unhonoured_wire_dtypes
@@ -41,7 +41,7 @@ def _pad_multiple(pad_to: Any, policy: Policy) -> int | None:
 
 def autocast(
     fun: Callable,
-    policy: Policy | Float8Recipe | str | Any = "mixed_bfloat16",
+    policy: Policy | Float8Recipe | Float4Recipe | str | Any = "mixed_bfloat16",
     *,
     rules: Mapping | None = None,
     pad_to: int | str | None = None,
@@ -68,8 +68,9 @@ def autocast(
         pytrees) are traced, other leaves (Python scalars, strings) are static.
       policy: a ``jaxamp.Policy`` or anything ``jaxamp.get_policy`` accepts; or
         FP8 matmuls: a ``jaxamp.Float8Recipe``, or ``"mixed_float8"`` (its
-        defaults). Everything else then runs as under the recipe's 16-bit
-        compute dtype (docs/fp8.md).
+        defaults); FP4 matmuls: a ``jaxamp.Float4Recipe``, ``"mixed_nvfp4"`` or
+        ``"mixed_mxfp4"``. Everything else then runs as under the recipe's
+        16-bit compute dtype (docs/fp8.md, docs/fp4.md).
       rules: overrides ``{primitive or name: "compute" | "float32" | "follow" |
         "keep" | "recurse" | callable}``; a callable is a custom rule, called as
         ``rule(context, eqn, *args)`` with a :class:`jaxamp.AutocastContext`,
@@ -103,10 +104,10 @@ def autocast(
     >>> jaxamp.precision_report(jaxamp.autocast(layer), w, x).flops_by_dtype
     {'bfloat16': 48}
     """
-    if isinstance(fun, (str, Policy, Float8Recipe)):
+    if isinstance(fun, (str, Policy, *RECIPES)):
         raise TypeError(f"fun must be the function to run; got {fun!r}. {_ONE_LINE}")
     check_callable(fun)
-    policy, recipe = resolve(policy)  # recipe: "mixed_float8" or a Float8Recipe (FP8 matmuls)
+    policy, recipe = resolve(policy)  # recipe: a Float8Recipe/Float4Recipe, or None
     table = rule_table(rules)
     multiple = _pad_multiple(pad_to, policy)
     remat = check_bool(remat_float32, "remat_float32")
@@ -115,12 +116,14 @@ def autocast(
     @functools.wraps(fun)
     def autocast_fun(*args, **kwargs):
         closed, arrays, out_tree = trace(fun, args, kwargs)
+        # Each input's key path: FP4's high_precision matches parameters by name.
+        paths = flatten_call(fun, args, kwargs).paths if recipe is not None else None
         warn_unhonoured_wire_dtypes(policy, list(arrays), getattr(fun, "__name__", "fun"))
-        autocaster = Autocaster(policy, table, multiple, fp8=recipe)
+        autocaster = Autocaster(policy, table, multiple, recipe=recipe)
 
         def run(*dyn):
-            if recipe is not None:  # every weight's FP8 scale from one reduction
-                autocaster.fp8_weights = fp8_weight_amaxes(recipe, closed, dyn)
+            if recipe is not None:  # FP8: every weight's scale from one reduction
+                autocaster.recipe_weights = recipe_weights(recipe, closed, dyn, paths)
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]
 
         if remat:

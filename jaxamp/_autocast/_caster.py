@@ -39,7 +39,7 @@ from jaxamp._autocast._wide import KnownConstants, breaks_in, feeds_reduction
 from jaxamp._casting import F32, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._fp8 import Float8Recipe, fp8_operands, fp8_runs
+from jaxamp._fp8 import Recipe, recipe_operands
 from jaxamp._policy import Policy
 from jaxamp._wire import spans_devices, vary_before_cast
 
@@ -72,14 +72,15 @@ class Autocaster:
         policy: Policy,
         table: Mapping[str, Rule],
         pad_to: int | None,
-        fp8: Float8Recipe | None = None,
+        recipe: Recipe | None = None,
     ):
         self.policy = policy
         self.compute_dtype = np.dtype(policy.compute_dtype)
         self.table = table
         self.pad_to = pad_to
-        self.fp8 = fp8  # a Float8Recipe: dots and convs run in FP8 (jaxamp/_fp8)
-        self.fp8_weights = None  # the step's weight amaxes, fused (fp8_weight_amaxes)
+        # A Float8Recipe or Float4Recipe: the contractions it takes run in FP8/FP4 (jaxamp/_fp8).
+        self.recipe = recipe
+        self.recipe_weights = None  # the pre-pass: weight amaxes, high_precision (recipe_weights)
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
@@ -293,9 +294,12 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     (lhs, lhs_role), (rhs, rhs_role), *rest = ins
     if not (is_floating(lhs) and is_floating(rhs)):
         return follow(ac, eqn, ins)
-    if ac.fp8 is not None and fp8_runs(eqn):
+    hooked = None
+    if ac.recipe is not None:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
-        lhs, rhs, matmul = fp8_operands(ac.fp8, lhs, rhs, plain, ac.fp8_weights)
+        hooked = recipe_operands(ac.recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
+    if hooked is not None:
+        lhs, rhs, matmul = hooked
     else:
         # Across devices, a product's partial sums are reduced in its result dtype:
         # the compute dtype there, float32 (then a cast) on one device.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._fp8._scalings import SCALINGS, native_scaling
+from jaxamp._fp8._scalings import SCALINGS, names, native_scaling
 from jaxamp._policy import Policy
 
 __all__ = ["FP8_PRESET", "GEMMS", "SCALINGS", "Float8Recipe"]
@@ -88,6 +89,28 @@ def _check_gemm(gemm: Any, scaling: str) -> None:
         )
 
 
+def check_high_precision(patterns: Any, owner: str) -> tuple[str, ...] | None:
+    """``high_precision`` as a tuple of regular expressions (None stays None); ``owner``: the
+    recipe class, for the messages."""
+    if patterns is None:
+        return None
+    items = (patterns,) if isinstance(patterns, str) else patterns
+    if not isinstance(items, tuple) or not all(isinstance(p, str) for p in items):
+        raise TypeError(
+            f"{owner}(high_precision=...) must be None, a regular expression or a tuple "
+            f"of them (str), matched against jax.tree_util.keystr of each parameter's path; "
+            f"got {type(patterns).__name__}: {patterns!r}."
+        )
+    for pattern in items:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(
+                f"{owner}(high_precision=...): {pattern!r} is not a regular expression ({error})."
+            ) from None
+    return items
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8Recipe:
     """FP8 matmuls with current (dynamic) scaling, for :func:`jaxamp.autocast`.
@@ -133,6 +156,10 @@ class Float8Recipe:
         (default, as FSDP2's and Megatron's usual choice) or a 16-bit dtype
         (half the bytes; the gradient is rounded before the sum).
         ``recipe.policy.reduce_dtype``.
+      high_precision: None, or a regular expression or tuple of them, each
+        matched with ``re.search`` against ``jax.tree_util.keystr`` of the path
+        of each leaf of ``fun``'s first argument: a matmul with an operand from
+        a matching leaf runs in the compute dtype (as :class:`jaxamp.Float4Recipe`'s).
 
     Raises:
       ValueError: an unknown ``scaling`` or ``gemm``; ``gemm="native"`` with
@@ -140,7 +167,9 @@ class Float8Recipe:
         backend for which this JAX has no lowering of ``jax.nn.scaled_matmul``.
       TypeError: a non-float8 ``forward_dtype``/``gradient_dtype``, a
         ``compute_dtype`` that is not 16-bit, a ``reduce_dtype`` that is not
-        float32/bfloat16/float16, a non-bool ``power_of_two_scale``.
+        float32/bfloat16/float16, a non-bool ``power_of_two_scale``, a
+        ``high_precision`` that is no str or tuple of str (ValueError: no
+        regular expression).
 
     >>> import jax.numpy as jnp, jaxamp
     >>> recipe = jaxamp.Float8Recipe(scaling="rowwise")
@@ -160,12 +189,15 @@ class Float8Recipe:
     compute_dtype: Any = jnp.bfloat16
     gemm: str = "auto"
     reduce_dtype: Any = jnp.float32
+    high_precision: Any = None
 
     def __post_init__(self):
-        if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
+        fp8 = names("fp8")  # the FP4 formats are Float4Recipe's
+        if not isinstance(self.scaling, str) or self.scaling not in fp8:
+            fp4 = " (FP4: jaxamp.Float4Recipe(format=...))" if self.scaling in SCALINGS else ""
             raise ValueError(
-                f"Float8Recipe(scaling=...) must be one of {', '.join(map(repr, SCALINGS))}; "
-                f"got {self.scaling!r}."
+                f"Float8Recipe(scaling=...) must be one of {', '.join(map(repr, fp8))}; "
+                f"got {self.scaling!r}{fp4}."
             )
         _check_gemm(self.gemm, self.scaling)
         if not isinstance(self.power_of_two_scale, (bool, np.bool_)):
@@ -183,6 +215,7 @@ class Float8Recipe:
         set_(self, "power_of_two_scale", bool(self.power_of_two_scale))
         set_(self, "compute_dtype", _compute_dtype(self.compute_dtype))
         set_(self, "reduce_dtype", _reduce_dtype(self.reduce_dtype))
+        set_(self, "high_precision", check_high_precision(self.high_precision, "Float8Recipe"))
 
     def __repr__(self) -> str:
         return (
@@ -190,7 +223,7 @@ class Float8Recipe:
             f"gradient_dtype={self.gradient_dtype.name}, "
             f"power_of_two_scale={self.power_of_two_scale}, "
             f"compute_dtype={self.compute_dtype.name}, gemm={self.gemm!r}, "
-            f"reduce_dtype={self.reduce_dtype.name})"
+            f"reduce_dtype={self.reduce_dtype.name}, high_precision={self.high_precision!r})"
         )
 
     def __str__(self) -> str:
@@ -199,7 +232,8 @@ class Float8Recipe:
         )
         gemm = f",{self.gemm}" if self.gemm != "auto" else ""
         reduce = f",reduce={self.reduce_dtype.name}" if self.reduce_dtype != np.float32 else ""
-        return f"fp8:{self.scaling}{pow2}{gemm}{reduce}"
+        high = ",high-precision" if self.high_precision else ""
+        return f"fp8:{self.scaling}{pow2}{gemm}{reduce}{high}"
 
     @property
     def policy(self) -> Policy:

@@ -1,9 +1,11 @@
-"""The FP8 scalings: one table, ``SCALINGS``, from which everything that names one derives.
+"""The FP8 and FP4 scalings: one table, ``SCALINGS``, from which everything naming one derives.
 
 A scaling says which values of an operand share a scale, per operand kind
 (``"act"``, ``"weight"``, ``"grad"``), whether its scales are always powers of
-two, and whether JAX has a native GEMM for it. ``Float8Recipe`` validates
-against the table, ``_quantize.groups_for`` reads the groups, ``_native``
+two, and whether JAX has a native GEMM for it; the FP4 formats (``nvfp4``,
+``mxfp4``) also fix their element dtype and scale format. ``Float8Recipe``
+validates against the FP8 entries (``names("fp8")``), ``Float4Recipe``
+against the FP4 ones, ``_quantize.groups_for`` reads the groups, ``_native``
 the native form, and ``precision_report`` reads a product's scaling back from
 its name scope (``scope_name`` / ``scaling_of_scope``).
 """
@@ -22,6 +24,8 @@ __all__ = [
     "SCOPE_PREFIX",
     "Groups",
     "Scaling",
+    "family_of",
+    "names",
     "native_scaling",
     "scaling_named",
     "scaling_of_scope",
@@ -30,8 +34,13 @@ __all__ = [
 
 KINDS = ("act", "weight", "grad")
 BLOCK = 128  # blockwise: 1x128 activation/gradient tiles, 128x128 weight tiles
-MX_BLOCK = 32  # mxfp8: 32 values along the contracting dim share an E8M0 scale
+MX_BLOCK = 32  # mxfp8/mxfp4: 32 values along the contracting dim share an E8M0 scale
+NV_BLOCK = 16  # nvfp4: 16 values share an E4M3 scale (16x16 tiles of weights)
 SCOPE_PREFIX = "fp8_"
+FP4_SCOPE_PREFIX = "fp4_"
+# A scale's format: a float32 number, or an E4M3 number under a float32 per-tensor
+# scale (NVFP4's two levels), or an E8M0 power of two (OCP MX).
+SCALE_FORMATS = ("float32", "float8_e4m3fn", "float8_e8m0fnu")
 POW2_SUFFIX = "_pow2"
 
 
@@ -58,11 +67,24 @@ class Scaling:
       native: JAX has a native GEMM for it, ``jax.nn.scaled_matmul``, which
         ``Float8Recipe(gemm=...)`` chooses; it takes blocks of ``MX_BLOCK``
         along C with power-of-two (E8M0) scales.
+      element: the element dtype's name where the scaling fixes it (the FP4
+        formats: ``"float4_e2m1fn"``, a :class:`jaxamp.Float4Recipe` format);
+        None: the ``Float8Recipe``'s float8 dtypes.
+      scale_format: the format of the group scales (``SCALE_FORMATS``).
+      tensor_scale: a float32 per-tensor scale above the group scales (NVFP4).
     """
 
     groups: Mapping[str, Groups]
     exact_scales: bool = False
     native: bool = False
+    element: str | None = None
+    scale_format: str = "float32"
+    tensor_scale: bool = False
+
+    @property
+    def family(self) -> str:
+        """``"fp4"`` for the float4 formats, ``"fp8"`` for the others."""
+        return "fp8" if self.element is None else "fp4"
 
     def __post_init__(self):
         if not isinstance(self.groups, Mapping) or set(self.groups) != set(KINDS):
@@ -76,6 +98,11 @@ class Scaling:
                 "Scaling(native=True) is jax.nn.scaled_matmul's form: every kind in "
                 f"{mx} with exact_scales=True; got {dict(self.groups)}, "
                 f"exact_scales={self.exact_scales}."
+            )
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(
+                f"Scaling(scale_format=...) must be one of {SCALE_FORMATS}; "
+                f"got {self.scale_format!r}."
             )
         object.__setattr__(self, "groups", dict(self.groups))
 
@@ -100,7 +127,36 @@ SCALINGS: dict[str, Scaling] = {
     ),
     # OCP MX: 32 values along the contracting dim share a power-of-two scale.
     "mxfp8": Scaling.uniform(Groups(False, 1, MX_BLOCK), exact_scales=True, native=True),
+    # NVFP4 (Transformer Engine): E2M1 elements, an E4M3 scale per 16 values
+    # under a float32 per-tensor scale; 16x16 weight tiles (Float4Recipe's
+    # weight_blocks_2d=False: the activations' 1x16).
+    "nvfp4": Scaling(
+        {
+            "act": Groups(False, 1, NV_BLOCK),
+            "weight": Groups(False, NV_BLOCK, NV_BLOCK),
+            "grad": Groups(False, 1, NV_BLOCK),
+        },
+        element="float4_e2m1fn",
+        scale_format="float8_e4m3fn",
+        tensor_scale=True,
+    ),
+    # OCP MX v1.0 MXFP4: E2M1 elements, an E8M0 scale per 32 values.
+    "mxfp4": Scaling.uniform(
+        Groups(False, 1, MX_BLOCK),
+        exact_scales=True,
+        element="float4_e2m1fn",
+        scale_format="float8_e8m0fnu",
+    ),
 }
+
+
+def names(family: str) -> tuple[str, ...]:
+    """The registered scalings of ``family``: ``"fp8"`` (Float8Recipe's) or ``"fp4"``.
+
+    >>> names("fp4")
+    ('nvfp4', 'mxfp4')
+    """
+    return tuple(name for name, scaling in SCALINGS.items() if scaling.family == family)
 
 
 def scaling_named(name: str) -> Scaling:
@@ -113,17 +169,37 @@ def scaling_named(name: str) -> Scaling:
     return SCALINGS[name]
 
 
-def native_scaling() -> str:
-    """The name of the scaling whose products ``jax.nn.scaled_matmul`` runs."""
+def native_scaling(element: str = "", scale: str = "float8_e8m0fnu") -> str:
+    """The scaling whose products ``jax.nn.scaled_matmul`` runs: ``"mxfp8"``; for
+    ``float4_e2m1fn`` operands the FP4 format with ``scale`` block scales (``""``: none).
+
+    >>> native_scaling(), native_scaling("float4_e2m1fn", "float8_e4m3fn")
+    ('mxfp8', 'nvfp4')
+    """
+    if element in {s.element for s in SCALINGS.values() if s.element}:
+        named = (n for n, s in SCALINGS.items() if (s.element, s.scale_format) == (element, scale))
+        return next(named, "")
     return next(name for name, scaling in SCALINGS.items() if scaling.native)
 
 
+def family_of(label: str) -> str:
+    """``"fp4"`` for an FP4 format's label (``"nvfp4"``), else ``"fp8"`` (``"rowwise+pow2"``)."""
+    base = label.split("+")[0]
+    return SCALINGS[base].family if base in SCALINGS else "fp8"
+
+
 def scope_name(scaling: str, power_of_two: bool) -> str:
-    """The name scope of an FP8 product: ``precision_report`` reads the scaling back from it."""
-    return f"{SCOPE_PREFIX}{scaling}{POW2_SUFFIX if power_of_two else ''}"
+    """The name scope of a low-precision product: ``precision_report`` reads the scaling from it.
+
+    >>> scope_name("nvfp4", False)
+    'fp4_nvfp4'
+    """
+    fp4 = scaling in SCALINGS and SCALINGS[scaling].family == "fp4"
+    prefix = FP4_SCOPE_PREFIX if fp4 else SCOPE_PREFIX
+    return f"{prefix}{scaling}{POW2_SUFFIX if power_of_two and not fp4 else ''}"
 
 
-_SCOPE = re.compile(rf"(?<![\w]){re.escape(SCOPE_PREFIX)}(\w+)")
+_SCOPE = re.compile(rf"(?<![\w])(?:{re.escape(SCOPE_PREFIX)}|{re.escape(FP4_SCOPE_PREFIX)})(\w+)")
 
 
 def scaling_of_scope(name_stack: str) -> str:

@@ -458,6 +458,78 @@ CASES = [
         ValueError,
         ["gemm='native'", "scaling='mxfp8'", "'rowwise'", "gemm='auto'"],
     ),
+    (
+        'Float4Recipe(format="fp4")',
+        lambda: jaxamp.Float4Recipe(format="fp4"),
+        ValueError,
+        ["format", "'nvfp4'", "'mxfp4'", "'fp4'"],
+    ),
+    (
+        'Float4Recipe("nvfp4", scale_rounding="ceil")',
+        lambda: jaxamp.Float4Recipe("nvfp4", scale_rounding="ceil"),
+        ValueError,
+        ["scale_rounding='ceil'", "MXFP4's alone", "format='mxfp4'"],
+    ),
+    (
+        'Float4Recipe("mxfp4", scale_rounding="nearest")',
+        lambda: jaxamp.Float4Recipe("mxfp4", scale_rounding="nearest"),
+        ValueError,
+        ["scale_rounding", "'floor'", "'ceil'", "'nearest'"],
+    ),
+    (
+        "Float4Recipe(hadamard=1)",
+        lambda: jaxamp.Float4Recipe(hadamard=1),
+        TypeError,
+        ["hadamard", "True or False", "int"],
+    ),
+    (
+        "Float4Recipe(seed=1.5)",
+        lambda: jaxamp.Float4Recipe(seed=1.5),
+        TypeError,
+        ["seed", "int", "[0, 2**32)", "1.5"],
+    ),
+    (
+        "Float4Recipe(seed=-1)",
+        lambda: jaxamp.Float4Recipe(seed=-1),
+        ValueError,
+        ["seed", "[0, 2**32)", "-1"],
+    ),
+    (
+        'Float4Recipe(high_precision=["head"])',
+        lambda: jaxamp.Float4Recipe(high_precision=["head"]),
+        TypeError,
+        ["high_precision", "tuple", "keystr", "['head']"],
+    ),
+    (
+        'Float4Recipe(high_precision="head[")',
+        lambda: jaxamp.Float4Recipe(high_precision="head["),
+        ValueError,
+        ["high_precision", "'head['", "not a regular expression"],
+    ),
+    (
+        "Float4Recipe(compute_dtype=jnp.float32)",
+        lambda: jaxamp.Float4Recipe(compute_dtype=jnp.float32),
+        TypeError,
+        ["compute_dtype", "16-bit", "jnp.bfloat16", "got float32"],
+    ),
+    (
+        'Float8Recipe("nvfp4")',
+        lambda: jaxamp.Float8Recipe("nvfp4"),
+        ValueError,
+        ["scaling", "'mxfp8'", "'nvfp4'", "Float4Recipe(format=...)"],
+    ),
+    (
+        'autocast(f, "mixed_fp4")',
+        lambda: jaxamp.autocast(lambda x: x, "mixed_fp4"),
+        ValueError,
+        ["'mixed_fp4'", "Float4Recipe", "'mixed_nvfp4'", "'mixed_mxfp4'"],
+    ),
+    (
+        "Float8Recipe(high_precision=3)",
+        lambda: jaxamp.Float8Recipe(high_precision=3),
+        TypeError,
+        ["Float8Recipe(high_precision=...)", "regular expression", "keystr", "int: 3"],
+    ),
 ]
 
 

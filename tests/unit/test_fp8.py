@@ -20,7 +20,7 @@ import jaxamp
 from jaxamp import _fp8
 from tests import fp8_reference as ref
 
-SCALINGS = tuple(_fp8.SCALINGS)
+SCALINGS = _fp8.names("fp8")
 BF16_TOL = 2.0**-8  # half a bfloat16 ulp, relative
 F32_TOL = 1e-5
 

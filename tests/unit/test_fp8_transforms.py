@@ -12,7 +12,7 @@ from jaxamp import _fp8
 from tests import fp8_reference as ref
 from tests.helpers import bits
 
-SCALINGS = tuple(_fp8.SCALINGS)
+SCALINGS = _fp8.names("fp8")
 
 
 def _rand(key, shape, scale=1.0):

@@ -1,0 +1,81 @@
+"""autocast's one hook into low-precision matmuls, for either recipe.
+
+``_autocast/_caster.compute`` calls :func:`recipe_operands` for every
+contraction and ``_autocast/_api.autocast`` calls :func:`recipe_weights` once
+per evaluation; each dispatches on the recipe's type to its package's hook.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex
+
+from jaxamp._fp8._fp4 import fp4_operands
+from jaxamp._fp8._fp4_recipe import Float4Recipe
+from jaxamp._fp8._matmul import fp8_operands, fp8_runs, fp8_weight_amaxes
+from jaxamp._fp8._recipe import Float8Recipe
+from jaxamp._fp8._scales import WeightAmaxes, weight_operands
+
+__all__ = ["RECIPES", "PrePass", "Recipe", "recipe_operands", "recipe_weights"]
+
+Recipe = Float8Recipe | Float4Recipe
+RECIPES = (Float8Recipe, Float4Recipe)
+
+
+class PrePass(NamedTuple):
+    """What autocast's pre-pass found, once per evaluation (:func:`recipe_weights`).
+
+    ``amaxes``: FP8 tensorwise weights' amaxes from one fused reduction, else
+    None. ``high_precision``: ids of the contractions ``high_precision`` keeps
+    in the compute dtype.
+    """
+
+    amaxes: WeightAmaxes | None
+    high_precision: frozenset
+
+
+def recipe_operands(
+    recipe: Recipe, eqn: jex.JaxprEqn, x: Any, w: Any, plain: tuple, found: PrePass | None
+) -> tuple | None:
+    """``(x, w, matmul)`` for a contraction the recipe runs, None for one it leaves to autocast.
+
+    ``plain[i]``: operand ``i`` is a parameter, an input or a constant
+    (autocast's PLAIN role); ``found``: :func:`recipe_weights`' result.
+    """
+    if found is not None and id(eqn) in found.high_precision:
+        return None  # the recipe's high_precision: the compute dtype
+    if isinstance(recipe, Float4Recipe):
+        return fp4_operands(recipe, eqn, x, w, plain)
+    if not fp8_runs(eqn):
+        return None
+    return fp8_operands(recipe, x, w, plain, None if found is None else found.amaxes)
+
+
+def recipe_weights(
+    recipe: Recipe, closed: jex.ClosedJaxpr, inputs: Any, paths: list | None = None
+) -> PrePass:
+    """The per-evaluation pre-pass: what ``recipe_operands`` receives as ``found``.
+
+    FP8 (tensorwise): the step's weight amaxes from one fused reduction. With
+    ``high_precision``: the ids of the contractions one of whose operands is a
+    matching leaf of ``fun``'s first argument (``paths``: each input's key path in
+    ``(args, kwargs)``), seen through views and jit/checkpoint/custom_jvp bodies.
+    """
+    amaxes = fp8_weight_amaxes(recipe, closed, inputs) if isinstance(recipe, Float8Recipe) else None
+    if recipe.high_precision is None or paths is None:
+        return PrePass(amaxes, frozenset())
+    matching = {i for i, path in enumerate(paths) if _matches(recipe.high_precision, path)}
+    ids = frozenset(eqn for (eqn, _), i in weight_operands(closed).items() if i in matching)
+    return PrePass(amaxes, ids)
+
+
+def _matches(patterns: tuple[str, ...], path: tuple) -> bool:
+    """Whether ``path`` (in ``(args, kwargs)``) is in ``args[0]`` and a pattern finds its keystr."""
+    first = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0))
+    if tuple(path[:2]) != first:
+        return False
+    name = jax.tree_util.keystr(tuple(path[2:]))
+    return any(re.search(pattern, name) for pattern in patterns)
