@@ -233,7 +233,7 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     # Its block scales make it an MX (or NVFP4) product wherever it was written.
     if info.fp8_recipe or not (info.is_fp8 or "float4_e2m1fn" in info.operand_dtypes):
         return info
-    scale = np.dtype(eqn.invars[2].aval.dtype).name
+    scale = np.dtype(eqn.invars[2].aval.dtype).name  # pyright: ignore[reportAttributeAccessIssue]
     return dataclasses.replace(info, fp8_recipe=native_scaling(info.operand_dtypes[0], scale))
 
 

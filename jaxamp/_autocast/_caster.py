@@ -80,7 +80,9 @@ class Autocaster:
         self.pad_to = pad_to
         # A Float8Recipe or Float4Recipe: the contractions it takes run in FP8/FP4 (jaxamp/_fp8).
         self.recipe = recipe
-        self.recipe_weights = None  # the pre-pass: weight amaxes, high_precision (recipe_weights)
+        self.recipe_weights: Any = (
+            None  # the pre-pass: weight amaxes, high_precision (recipe_weights)
+        )
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).

@@ -33,7 +33,7 @@ from jaxamp._engine._contractions import dot_dims
 from jaxamp._fp8 import _native
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
-from jaxamp._fp8._scalings import SCALINGS, scope_name
+from jaxamp._fp8._scalings import SCALINGS, block_size, scope_name
 
 __all__ = [
     "HADAMARD_SIGNS",
@@ -149,7 +149,7 @@ def _mxfp4_scales(tiles: jax.Array, ceil: bool) -> tuple[jax.Array, ...]:
     exp = jnp.where(amax == 0, 0, jnp.clip(exp, -_MAX_EXP, _MAX_EXP))
     one = jnp.ones_like(amax)
     decode = jnp.ldexp(one, exp)
-    return jnp.ldexp(one, -exp), decode, decode, np.float32(1)
+    return jnp.ldexp(one, -exp), decode, decode, jnp.ones((), F32)
 
 
 class Quantized(NamedTuple):
@@ -177,7 +177,7 @@ def quantize4(
     """
     with jax.named_scope(QUANTIZE_SCOPE):
         b, r, c = x.shape
-        n = SCALINGS[fmt].groups["act"].block
+        n = block_size(fmt)
         tiles = x.astype(F32).reshape(b, r // rows, rows, c // n, n)
         if SCALINGS[fmt].tensor_scale:
             encode, decode, block, tensor = _nvfp4_scales(tiles)

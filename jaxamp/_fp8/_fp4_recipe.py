@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._fp8._recipe import _COMPUTE_DTYPES, GEMMS, _one_of, check_high_precision
-from jaxamp._fp8._scalings import SCALINGS, names
+from jaxamp._fp8._scalings import SCALINGS, block_size, names
 from jaxamp._policy import Policy
 
 __all__ = ["FP4_PRESETS", "SCALE_ROUNDINGS", "Float4Recipe"]
@@ -186,9 +186,9 @@ class Float4Recipe:
     @property
     def policy(self) -> Policy:
         """The 16-bit policy everything except the FP4 matmuls runs under."""
-        return Policy(np.float32, self.compute_dtype, np.float32)
+        return Policy(np.dtype(np.float32), self.compute_dtype, np.dtype(np.float32))
 
     @property
     def block(self) -> int:
         """Values per block along a product's contracting dim (16 or 32)."""
-        return SCALINGS[self.format].groups["act"].block
+        return block_size(self.format)

@@ -52,7 +52,7 @@ def fp8_runs(eqn: jex.JaxprEqn) -> bool:
     """Whether ``eqn`` runs in FP8: a dot, a conv, a ``ragged_dot`` in its MoE form."""
     name = eqn.primitive.name
     if name == "ragged_dot_general":
-        lhs, rhs = (len(getattr(v.aval, "shape", ())) for v in eqn.invars[:2])
+        lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])  # pyright: ignore[reportAttributeAccessIssue]
         return ragged_form(eqn.params, lhs, rhs) is not None
     return name in FP8_PRIMITIVES
 

@@ -24,6 +24,7 @@ __all__ = [
     "SCOPE_PREFIX",
     "Groups",
     "Scaling",
+    "block_size",
     "family_of",
     "names",
     "native_scaling",
@@ -167,6 +168,14 @@ def scaling_named(name: str) -> Scaling:
             f"{', '.join(map(repr, SCALINGS))} (jaxamp/_fp8/_scalings.py SCALINGS)."
         )
     return SCALINGS[name]
+
+
+def block_size(name: str) -> int:
+    """Values per block of the FP4 format ``name`` along a contracting dim (16 or 32)."""
+    block = scaling_named(name).groups["act"].block
+    if block is None:
+        raise ValueError(f"scaling {name!r} has no blocks along the contracting dim.")
+    return block
 
 
 def native_scaling(element: str = "", scale: str = "float8_e8m0fnu") -> str:

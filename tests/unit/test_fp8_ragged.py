@@ -20,7 +20,7 @@ from jaxamp._engine._visit import walk
 from tests import fp8_reference as ref
 from tests.unit.test_fp8 import assert_bf16_of, assert_f32_of
 
-SCALINGS = tuple(_fp8.SCALINGS)
+SCALINGS = _fp8.names("fp8")
 E4, E5 = "float8_e4m3fn", "float8_e5m2"
 # An empty group in the middle and at the end. Rows and contracting dims span
 # several blocks of the scaling (blockwise: 128, mxfp8: 32, the last partial),
