@@ -14,6 +14,7 @@ import jax
 import jax.extend.core as jex
 
 from jaxamp._fp8._fp4 import fp4_operands
+from jaxamp._fp8._fp4_ragged import fp4_ragged_dot
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import fp8_operands, fp8_runs, fp8_weight_amaxes
 from jaxamp._fp8._recipe import Float8Recipe
@@ -48,7 +49,7 @@ def recipe_operands(
     if found is not None and id(eqn) in found.high_precision:
         return None  # the recipe's high_precision: the compute dtype
     if isinstance(recipe, Float4Recipe):
-        return fp4_operands(recipe, eqn, x, w, plain)
+        return fp4_operands(recipe, eqn, x, w, plain, fp4_ragged_dot)
     if not fp8_runs(eqn):
         return None
     return fp8_operands(recipe, x, w, plain, None if found is None else found.amaxes)
