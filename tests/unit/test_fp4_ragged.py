@@ -113,6 +113,13 @@ def test_scales_are_per_expert_group_and_one_compile_serves_every_split():
             want = want.astype(np.float32)
             np.testing.assert_allclose(out[a:b], want, rtol=2**-7, atol=1e-6 * np.abs(want).max())
         np.testing.assert_array_equal(out[sizes.sum() :], 0)
+    # A non-finite value stays non-finite where the dense product per expert
+    # has it: an inf in its block's row, a NaN (the group's S_enc) in its group.
+    for bad, rows in ((np.inf, [22]), (np.nan, list(range(20, 33)))):
+        poisoned = x.copy()
+        poisoned[22, 5] = bad
+        finite = np.isfinite(np.asarray(step(poisoned, w, SIZES), np.float32)).all(axis=1)
+        np.testing.assert_array_equal(np.flatnonzero(~finite), rows)
     # Group 2 quantized with an outlier row of group 0 (5e6 times the others)
     # in its tensor scale would lose its E4M3 block scales to underflow.
     x[3] *= 1e5
