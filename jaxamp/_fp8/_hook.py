@@ -18,7 +18,7 @@ from jaxamp._fp8._fp4_ragged import fp4_ragged_dot
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import fp8_operands, fp8_runs, fp8_weight_amaxes
 from jaxamp._fp8._recipe import Float8Recipe
-from jaxamp._fp8._scales import WeightAmaxes, weight_operands
+from jaxamp._fp8._scales import ALL_CONTRACTIONS, WeightAmaxes, weight_operands
 
 __all__ = ["RECIPES", "PrePass", "Recipe", "recipe_operands", "recipe_weights"]
 
@@ -69,7 +69,8 @@ def recipe_weights(
     if recipe.high_precision is None or paths is None:
         return PrePass(amaxes, frozenset())
     matching = {i for i, path in enumerate(paths) if _matches(recipe.high_precision, path)}
-    ids = frozenset(eqn for (eqn, _), i in weight_operands(closed).items() if i in matching)
+    operands = weight_operands(closed, ALL_CONTRACTIONS)
+    ids = frozenset(eqn for (eqn, _), i in operands.items() if i in matching)
     return PrePass(amaxes, ids)
 
 

@@ -167,3 +167,26 @@ def test_stochastic_rounding_is_reproducible_and_accurate():
     err, err_other = (np.abs(v[1] - exact_dw).mean() for v in (sr, other))
     err_mean = np.abs((sr[1] + other[1]) / 2 - exact_dw).mean()
     assert err < 0.3 * np.abs(exact_dw).mean() and err_mean < 0.95 * min(err, err_other)
+
+
+@pytest.mark.parametrize("cls", [jaxamp.Float4Recipe, jaxamp.Float8Recipe])
+def test_high_precision_keeps_matching_experts_in_the_compute_dtype(cls):
+    x, w, _ = _data()
+    params = {"experts": w, "router": np.ones((K, 4), np.float32)}
+
+    def moe(params, x, sizes):
+        return jnp.sum(
+            jax.lax.ragged_dot(x @ params["router"] @ params["router"].T, params["experts"], sizes)
+        )
+
+    def operands(recipe):  # per product: its operand dtypes, forward and backward
+        report = jaxamp.precision_report(jax.grad(jaxamp.autocast(moe, recipe)), params, x, SIZES)
+        return sorted((mm.primitive, mm.operand_dtypes[0]) for mm in report.matmuls)
+
+    low = F4 if cls is jaxamp.Float4Recipe else "float8_e4m3fn"
+    kept = operands(cls(high_precision=r"\['experts'\]"))
+    assert [d for p, d in kept if p == "ragged_dot_general"] == ["bfloat16"] * 3, (
+        kept
+    )  # the 16-bit three
+    assert {d for p, d in kept if p == "dot_general"} <= {low, "float8_e5m2"}, kept
+    assert ("ragged_dot_general", "bfloat16") not in operands(cls(high_precision="router_not"))
