@@ -19,6 +19,7 @@ block and summed in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -33,6 +34,7 @@ from jaxamp._engine._contractions import dot_dims
 from jaxamp._fp8 import _native
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
+from jaxamp._fp8._ragged import ragged_form
 from jaxamp._fp8._scalings import SCALINGS, block_size, scope_name
 
 __all__ = [
@@ -122,9 +124,13 @@ def _encode(y: jax.Array, seed: int | None) -> jax.Array:
     return y.astype(E2M1)
 
 
-def _nvfp4_scales(tiles: jax.Array) -> tuple[jax.Array, ...]:
-    """(encode, decode, s_b, S_enc) of NVFP4 tiles ``[B, R/rows, rows, KB, 16]``, per tile."""
-    amax = jnp.max(jnp.abs(tiles))
+def _nvfp4_scales(tiles: jax.Array, amax: jax.Array | None) -> tuple[jax.Array, ...]:
+    """(encode, decode, s_b, S_enc) of NVFP4 tiles ``[B, R/rows, rows, KB, 16]``, per tile.
+
+    ``amax``: the tensor's, for ``S_enc`` (None: ``tiles``'; the ragged products
+    pass each expert group's, broadcast as ``[B, 1, 1, 1, 1]``).
+    """
+    amax = jnp.max(jnp.abs(tiles)) if amax is None else amax
     s_enc = np.float32(E4M3_MAX * E2M1_MAX) / amax
     s_enc = jnp.where((amax == 0) | (s_enc == 0), np.float32(1), jnp.minimum(s_enc, F32_MAX))
     block_amax = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True)
@@ -168,19 +174,26 @@ class Quantized(NamedTuple):
 
 
 def quantize4(
-    x: jax.Array, fmt: str, rows: int, *, ceil: bool = False, seed: int | None = None
+    x: jax.Array,
+    fmt: str,
+    rows: int,
+    *,
+    ceil: bool = False,
+    seed: int | None = None,
+    tensor_amax: jax.Array | None = None,
 ) -> Quantized:
     """``x`` ``[B, R, C]`` (R a multiple of ``rows``, C of the block) in FP4.
 
     ``rows``: 1, or 16 for NVFP4's 16x16 weight tiles. ``seed``: stochastic
-    rounding (None: nearest even).
+    rounding (None: nearest even). ``tensor_amax``: NVFP4's amax for
+    ``S_enc``, broadcastable to ``[B, 1, 1, 1, 1]`` (None: the whole ``x``'s).
     """
     with jax.named_scope(QUANTIZE_SCOPE):
         b, r, c = x.shape
         n = block_size(fmt)
         tiles = x.astype(F32).reshape(b, r // rows, rows, c // n, n)
         if SCALINGS[fmt].tensor_scale:
-            encode, decode, block, tensor = _nvfp4_scales(tiles)
+            encode, decode, block, tensor = _nvfp4_scales(tiles, tensor_amax)
         else:
             encode, decode, block, tensor = _mxfp4_scales(tiles, ceil)
         # Reshaped before the cast: numerics_report sees one float4 result per operand.
@@ -320,15 +333,29 @@ def _fp4_dot(recipe: Float4Recipe, params: dict, x, w, weight: bool):
     return out.reshape(out_shape)
 
 
-def fp4_operands(recipe: Float4Recipe, eqn: jex.JaxprEqn, x, w, plain: tuple[bool, bool]):
+def fp4_operands(
+    recipe: Float4Recipe,
+    eqn: jex.JaxprEqn,
+    x,
+    w,
+    plain: tuple[bool, bool],
+    ragged: Callable | None = None,
+):
     """autocast's hook under a Float4Recipe: ``(x, w, matmul)``, or None to run it as usual.
 
-    FP4 takes ``dot_general`` only (convolutions stay in the compute dtype, as
-    in the NVFP4 paper: GEMMs only), and of those the ones with a parameter,
-    input or constant operand (``plain``) unless ``quantize_activation_products``.
-    A plain right operand is a weight (NVFP4's 16x16 tiles).
+    FP4 takes ``dot_general`` (convolutions stay in the compute dtype, as in
+    the NVFP4 paper: GEMMs only) and, given ``ragged`` (``_fp4_ragged``'s
+    product), ``ragged_dot_general`` in its mixture-of-experts form; of those
+    the ones with a parameter, input or constant operand (``plain``) unless
+    ``quantize_activation_products``. A plain right operand is a weight
+    (NVFP4's 16x16 tiles).
     """
-    if eqn.primitive.name != "dot_general":
+    name = eqn.primitive.name
+    if name == "ragged_dot_general":
+        lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])  # pyright: ignore[reportAttributeAccessIssue]
+        if ragged is None or ragged_form(eqn.params, lhs, rhs) is None:
+            return None
+    elif name != "dot_general":
         return None
     if not any(plain) and not recipe.quantize_activation_products:
         return None
@@ -337,7 +364,9 @@ def fp4_operands(recipe: Float4Recipe, eqn: jex.JaxprEqn, x, w, plain: tuple[boo
     )
 
     def matmul(eqn: jex.JaxprEqn, x, w, *extra, dtype: np.dtype):
-        del extra, dtype  # a dot has no extra operands; the recipe gives the dtype
+        del dtype  # the recipe gives the dtype
+        if ragged is not None and eqn.primitive.name == "ragged_dot_general":
+            return ragged(recipe, eqn.params, x, w, *extra, weight=plain[1])  # extra: the sizes
         return _fp4_dot(recipe, eqn.params, x, w, plain[1])
 
     return x, w, matmul

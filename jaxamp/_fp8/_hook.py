@@ -14,10 +14,11 @@ import jax
 import jax.extend.core as jex
 
 from jaxamp._fp8._fp4 import fp4_operands
+from jaxamp._fp8._fp4_ragged import fp4_ragged_dot
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import fp8_operands, fp8_runs, fp8_weight_amaxes
 from jaxamp._fp8._recipe import Float8Recipe
-from jaxamp._fp8._scales import WeightAmaxes, weight_operands
+from jaxamp._fp8._scales import ALL_CONTRACTIONS, WeightAmaxes, weight_operands
 
 __all__ = ["RECIPES", "PrePass", "Recipe", "recipe_operands", "recipe_weights"]
 
@@ -48,7 +49,7 @@ def recipe_operands(
     if found is not None and id(eqn) in found.high_precision:
         return None  # the recipe's high_precision: the compute dtype
     if isinstance(recipe, Float4Recipe):
-        return fp4_operands(recipe, eqn, x, w, plain)
+        return fp4_operands(recipe, eqn, x, w, plain, fp4_ragged_dot)
     if not fp8_runs(eqn):
         return None
     return fp8_operands(recipe, x, w, plain, None if found is None else found.amaxes)
@@ -68,7 +69,8 @@ def recipe_weights(
     if recipe.high_precision is None or paths is None:
         return PrePass(amaxes, frozenset())
     matching = {i for i, path in enumerate(paths) if _matches(recipe.high_precision, path)}
-    ids = frozenset(eqn for (eqn, _), i in weight_operands(closed).items() if i in matching)
+    operands = weight_operands(closed, ALL_CONTRACTIONS)
+    ids = frozenset(eqn for (eqn, _), i in operands.items() if i in matching)
     return PrePass(amaxes, ids)
 
 

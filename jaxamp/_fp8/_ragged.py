@@ -51,7 +51,15 @@ from jaxamp._fp8._ragged_quantize import (
 )
 from jaxamp._fp8._scalings import Groups, scaling_named, scope_name
 
-__all__ = ["RaggedSpec", "fp8_spec", "ragged_dot", "ragged_form", "ragged_matmul"]
+__all__ = [
+    "RaggedSpec",
+    "fp8_spec",
+    "ragged_apply",
+    "ragged_dot",
+    "ragged_form",
+    "ragged_matmul",
+    "scaled_rows",
+]
 
 # lhs [M, C] (ragged rows) x rhs [G, Q, C] (expert first) -> [M, Q].
 _ROWS = RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
@@ -100,10 +108,10 @@ def _rows_product(spec, x, x_kind, x_dtype, w, w_kind, w_dtype, seg, sizes, out_
     ax, aw = spec.groups[x_kind], spec.groups[w_kind]
     qx, inv_x, _ = quantize_rows(spec, x, x_dtype, _row_tiles(seg, ax), ax.block)
     qw, inv_w = quantize_experts(spec, w, w_dtype, aw._replace(whole_batch=False))
-    return _scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate)
+    return scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate)
 
 
-def _scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate):
+def scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate):
     """The product of quantized ``x [M, KB, kb]`` and ``w [G, Q, KB, kb]``, rescaled."""
     # Each row's expert's inverse scales (rows past the last group: masked below).
     inv_w = inv_w[jnp.minimum(seg.ids, qw.shape[0] - 1)]  # [M, Q, KB]
@@ -243,7 +251,7 @@ def _whole_matmul(spec: RaggedSpec, kinds: tuple, dtypes: tuple, reduce: tuple) 
         seg = segments(sizes, x.shape[0])
         qx, inv_x, x_tiles = quantize_rows(spec, x, spec.forward_dtype, seg.tiles(None), None)
         qw, inv_w = quantize_experts(spec, w, spec.forward_dtype, whole)
-        out = _scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, spec.compute_dtype, F32)
+        out = scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, spec.compute_dtype, F32)
         return out, (qx[:, 0], x_tiles, qw[:, :, 0], inv_w[:, :1, 0], sizes)
 
     @jax.custom_vjp
@@ -305,14 +313,27 @@ def ragged_dot(spec: RaggedSpec, params: Mapping[str, Any], x, w, sizes, *, plai
     a plain ``w`` is a weight (its groups), and a parameter's gradient product
     has ``reduce_dtype`` results.
     """
-    form = ragged_form(params, x.ndim, w.ndim)
-    if form is None:  # fp8_runs chose this product: its form is known
-        raise ValueError(f"ragged_dot_general in a form FP8 does not run: {dict(params)}")
-    a = _canonical(x, form.lhs_perm, None)
-    b = _canonical(w, form.rhs_perm, len(form.rhs_free))
     kinds = ("act", "weight" if plain[1] else "act")
     reduce = tuple(np.dtype(reduce_dtype) if p else F32 for p in plain)
-    out = ragged_matmul(spec, kinds, (a.dtype, b.dtype), reduce)(a, b, sizes)
+
+    def product(a, b, sizes):
+        return ragged_matmul(spec, kinds, (a.dtype, b.dtype), reduce)(a, b, sizes)
+
+    return ragged_apply(params, x, w, sizes, product)
+
+
+def ragged_apply(params: Mapping[str, Any], x, w, sizes, product: Callable):
+    """``product(x [M, C], w [G, Q, C], sizes) -> [M, Q]`` on a :func:`ragged_form` product.
+
+    The operands are brought to the canonical dims and the result back to the
+    ``ragged_dot_general``'s (any recipe's ragged products enter here).
+    """
+    form = ragged_form(params, x.ndim, w.ndim)
+    if form is None:  # the recipe's hook chose this product: its form is known
+        raise ValueError(f"ragged_dot_general in a form the recipes do not run: {dict(params)}")
+    a = _canonical(x, form.lhs_perm, None)
+    b = _canonical(w, form.rhs_perm, len(form.rhs_free))
+    out = product(a, b, sizes)
     return out.reshape(x.shape[form.lhs_perm[0]], *(w.shape[d] for d in form.rhs_free))
 
 

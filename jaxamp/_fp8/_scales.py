@@ -42,6 +42,8 @@ SCOPE = "fp8_weight_amaxes"
 # the result is the amax of the operand.
 _VIEWS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"})
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# high_precision's contractions: the mixture-of-experts products too.
+ALL_CONTRACTIONS = _CONTRACTIONS | {"ragged_dot_general"}
 
 
 def _inner_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
@@ -56,12 +58,12 @@ def _inner_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
     return None
 
 
-def _visit(jaxpr: jex.Jaxpr, sources: dict, found: dict) -> None:
+def _visit(jaxpr: jex.Jaxpr, sources: dict, found: dict, contractions: frozenset) -> None:
     """Records, for each contraction operand, the input it views (None: not an input)."""
     for eqn in jaxpr.eqns:
         ins = [sources.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
         name = eqn.primitive.name
-        if name in _CONTRACTIONS:
+        if name in contractions:
             for i in range(2):
                 key = (id(eqn), i)
                 # A jaxpr reached twice (a jitted layer called on two weights) must
@@ -75,11 +77,16 @@ def _visit(jaxpr: jex.Jaxpr, sources: dict, found: dict) -> None:
                 for var, src in zip(inner.jaxpr.invars, ins, strict=False)
                 if src is not None
             }
-            _visit(inner.jaxpr, inner_sources, found)
+            _visit(inner.jaxpr, inner_sources, found, contractions)
 
 
-def weight_operands(closed: jex.ClosedJaxpr) -> dict[tuple[int, int], int]:
+def weight_operands(
+    closed: jex.ClosedJaxpr, contractions: frozenset = _CONTRACTIONS
+) -> dict[tuple[int, int], int]:
     """``{(id(contraction eqn), operand index): input index}`` for operands that are inputs.
+
+    ``contractions``: the primitives whose operands count (FP8's fused weight
+    amaxes: dots and convolutions; ``ALL_CONTRACTIONS`` adds ``ragged_dot_general``).
 
     Follows views and the call-like primitives autocast evaluates in place (jit,
     checkpoint, custom_jvp); operands inside scan, while or cond bodies are per
@@ -87,7 +94,7 @@ def weight_operands(closed: jex.ClosedJaxpr) -> dict[tuple[int, int], int]:
     """
     sources = {var: i for i, var in enumerate(closed.jaxpr.invars)}
     found: dict = {}
-    _visit(closed.jaxpr, sources, found)
+    _visit(closed.jaxpr, sources, found, contractions)
     return {key: src for key, src in found.items() if src is not None}
 
 
