@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -278,8 +278,8 @@ def _whole_matmul(spec: RaggedSpec, kinds: tuple, dtypes: tuple, reduce: tuple) 
             dw = jax.lax.ragged_dot_general(
                 qg, qx, sizes, _CONTRACT, preferred_element_type=reduce[1]
             )
-            assert g_tiles is not None  # quantized with tiles: each tile has its inverse
-            dw = dw.astype(F32) * g_tiles[:, :, None] * x_tiles[:, None, :]
+            # Quantized with tiles: each tile has its inverse (quantize_rows' third result).
+            dw = dw.astype(F32) * cast(jax.Array, g_tiles)[:, :, None] * x_tiles[:, None, :]
             dw = jnp.where(seg.sizes[:, None, None] > 0, dw, 0)  # an empty expert's: zero
         return dx.astype(dtypes[0]), dw.astype(dtypes[1]), None
 

@@ -38,14 +38,13 @@ FP8_SPECS = {
 }
 FP8_TOL = 0.25
 # FP4: the loss within 10% of float32's, the gradients (rounded stochastically) within
-# 75% in norm (up to 0.5 measured on the zoo); what stays 16-bit by design: convolutions,
-# products of two activations (attention), mixture-of-experts products (not yet FP4).
+# 75% in norm (up to 0.5 measured on the zoo); what stays 16-bit by design: convolutions
+# and products of two activations (attention).
 FP4_SPECS = ("mixed_nvfp4", "mixed_mxfp4")
 FP4_LOSS_TOL, FP4_GRAD_TOL = 0.1, 0.75
 STAYS_16_BIT = {
     "linen_cnn": {"conv_general_dilated"},
     "gpt": {"dot_general"},
-    "moe": {"ragged_dot_general"},
 }
 
 
