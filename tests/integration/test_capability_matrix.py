@@ -29,6 +29,15 @@ pytest.importorskip("haiku")
 pytest.importorskip("equinox")
 
 F32 = np.dtype(np.float32)
+# XLA's cheapest compile: the matrix checks what jaxamp builds, not what XLA's
+# optimizations make of it, and compiling is most of its time (a third with these).
+jit = functools.partial(
+    jax.jit,
+    compiler_options={
+        "xla_backend_optimization_level": 0,
+        "xla_llvm_disable_expensive_passes": True,
+    },
+)
 # Each preset's documented matmul operand dtype, and how far its loss and gradients
 # may be from float32's (relative; measured at a few times the largest seen on the zoo).
 SIXTEEN_BIT = {"mixed_bfloat16": ("bfloat16", 0.03), "mixed_float16": ("float16", 0.02)}
@@ -56,7 +65,7 @@ def _finite(tree) -> bool:
 def _reference(name: str):
     """The float32 loss and gradients of the zoo's model ``name``."""
     m = zoo.model(name)
-    return jax.jit(jax.value_and_grad(zoo.closed_loss(m)))(m.params)
+    return jit(jax.value_and_grad(zoo.closed_loss(m)))(m.params)
 
 
 def _grad_error(got, want) -> float:
@@ -71,9 +80,9 @@ def _autocast_step(m: zoo.Model, spec, closed: bool = True):
     """loss and grads of ``m`` under ``autocast(loss, spec)``, the batch closed over or not."""
     if closed:
         fun = jaxamp.autocast(zoo.closed_loss(m), spec)
-        return jax.jit(jax.value_and_grad(fun))(m.params)
+        return jit(jax.value_and_grad(fun))(m.params)
     fun = jaxamp.autocast(m.loss, spec)
-    return jax.jit(jax.value_and_grad(fun))(m.params, *m.batch)
+    return jit(jax.value_and_grad(fun))(m.params, *m.batch)
 
 
 def _check_step(m: zoo.Model, loss, grads, tol: float) -> None:
@@ -165,7 +174,7 @@ def test_numerics_monitor_in_a_jitted_step(name):
     )
     loss = jaxamp.autocast(zoo.closed_loss(m), "mixed_float16")
 
-    @jax.jit
+    @jit
     def step(i, params):
         monitor(i, params, *m.batch)  # the batch and its key are constants of this trace
         grads = jax.grad(loss)(params)
@@ -190,7 +199,7 @@ def _loss_scaled_trajectory(loss, params, loss_scale, steps: int = 3):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), value
 
-    run = jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), length=steps))
+    run = jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), length=steps))
     return run(params)
 
 
@@ -224,7 +233,7 @@ def test_low_precision_optimizer(name):
     tx = jaxamp.low_precision_optimizer(optax.sgd(0.05, momentum=0.5))
     loss = jaxamp.autocast(zoo.closed_loss(m, jnp.bfloat16), "mixed_bfloat16")
 
-    @jax.jit
+    @jit
     def step(params, state):
         value, grads = jax.value_and_grad(loss)(params)
         updates, state = tx.update(grads, state, params)

@@ -19,7 +19,7 @@ import pytest
 
 import jaxamp
 from tests import fp4_reference as ref
-from tests.unit.test_fp8_ragged import _FAST, _groups, _pullback
+from tests.unit.test_fp8_ragged import _FAST, _groups, _pullback, _ragged, _ragged_and_dense
 
 F4 = "float4_e2m1fn"
 # Empty groups in the middle and at the end; group 0's 20 rows are no whole
@@ -51,20 +51,6 @@ def assert_same_rounding(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert (got != want).mean() < 0.02, (got != want).mean()
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6 * np.abs(want).max())
-
-
-def _ragged(recipe):
-    return jaxamp.autocast(lambda x, w, s: jax.lax.ragged_dot(x, w, s), recipe)
-
-
-def _ragged_and_dense(recipe, sizes):
-    dense = jaxamp.autocast(lambda x, w: x @ w, recipe)
-
-    def run(x, w, g, sizes_arg):
-        per_expert = [_pullback(dense, x[a:b], w[e], g[a:b]) for e, a, b in _groups(sizes) if a < b]
-        return _pullback(_ragged(recipe), x, w, g, sizes_arg), per_expert
-
-    return jax.jit(run, compiler_options=_FAST)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
