@@ -8,6 +8,7 @@ per evaluation; each dispatches on the recipe's type to its package's hook.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -68,16 +69,32 @@ def recipe_weights(
     amaxes = fp8_weight_amaxes(recipe, closed, inputs) if isinstance(recipe, Float8Recipe) else None
     if recipe.high_precision is None or paths is None:
         return PrePass(amaxes, frozenset())
-    matching = {i for i, path in enumerate(paths) if _matches(recipe.high_precision, path)}
+    names = {i: name for i, path in enumerate(paths) if (name := _first_arg_name(path))}
+    _warn_unmatched(recipe, list(names.values()))
+    patterns = recipe.high_precision
+    matching = {i for i, name in names.items() if any(re.search(p, name) for p in patterns)}
     operands = weight_operands(closed, ALL_CONTRACTIONS)
     ids = frozenset(eqn for (eqn, _), i in operands.items() if i in matching)
     return PrePass(amaxes, ids)
 
 
-def _matches(patterns: tuple[str, ...], path: tuple) -> bool:
-    """Whether ``path`` (in ``(args, kwargs)``) is in ``args[0]`` and a pattern finds its keystr."""
+def _first_arg_name(path: tuple) -> str | None:
+    """The keystr of ``path`` (in ``(args, kwargs)``) within ``args[0]``, else None."""
     first = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0))
     if tuple(path[:2]) != first:
-        return False
-    name = jax.tree_util.keystr(tuple(path[2:]))
-    return any(re.search(pattern, name) for pattern in patterns)
+        return None
+    return jax.tree_util.keystr(tuple(path[2:]))
+
+
+def _warn_unmatched(recipe: Recipe, names: list[str]) -> None:
+    """A pattern that names no parameter keeps nothing: say so, not silently (a typo)."""
+    for pattern in recipe.high_precision or ():
+        if not any(re.search(pattern, name) for name in names):
+            warnings.warn(
+                f"{type(recipe).__name__}(high_precision=...): {pattern!r} matches no leaf of "
+                f"fun's first argument, so no matmul is kept in the compute dtype for it. "
+                f"Patterns are matched with re.search against jax.tree_util.keystr of each "
+                f"leaf, e.g. {names[:3]}.",
+                UserWarning,
+                stacklevel=2,
+            )

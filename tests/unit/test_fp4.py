@@ -11,6 +11,7 @@ scale rounding, Hadamard placement) are each far outside those tolerances.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -310,10 +311,15 @@ def test_high_precision_keeps_matching_parameters_in_the_compute_dtype(cls):
             "bf16" if d == ("bfloat16",) * 2 else "low" for d in dot_dtypes(fun, params, x)
         )
 
-    assert kinds(jaxamp.autocast(net, recipe)) == ["bf16", "low"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a pattern that matches warns nothing
+        assert kinds(jaxamp.autocast(net, recipe)) == ["bf16", "low"]
     assert kinds(jax.grad(jaxamp.autocast(net, recipe))) == ["bf16"] * 3 + ["low"] * 3
-    every = cls(high_precision=("nothing", "also_nothing"))
-    assert kinds(jaxamp.autocast(net, every)) == ["low"] * 2
+    # A pattern that names no parameter (a typo) keeps nothing, and says so.
+    every = cls(high_precision=("nothing", r"\['head'\]"))
+    with pytest.warns(UserWarning, match=r"'nothing' matches no leaf .*\['body'\]") as seen:
+        assert kinds(jaxamp.autocast(net, every)) == ["bf16", "low"]
+    assert len(seen) == 1
     if cls is jaxamp.Float4Recipe:
         assert dot_dtypes(jaxamp.autocast(net, recipe), params, x)[0] == (F4, F4)
 
