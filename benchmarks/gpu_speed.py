@@ -20,18 +20,20 @@ GPUs, the GPT sharded FSDP-style over all of them, float32 and autocast bf16 (fl
 bf16 gradient reduction) and fp8: step time, tokens/s and the bytes per parameter each step
 sends (``jaxamp.communication_report``); skipped otherwise.
 
-FP8 rows (``payload["fp8_gemm"]``, ``payload["fp8_step"]``): square GEMMs of 1k to 16k and
-the GPT step (float32 model, loss under ``jaxamp.autocast``), each ``jaxamp.Float8Recipe``
-scaling against ``"mixed_bfloat16"`` through the same autocast, timed interleaved in one
-process (medians): TFLOP/s and the ratio to bf16. mxfp8 runs in both its forms
-(``Float8Recipe(gemm=...)``): ``fp8_mxfp8_emulated``, a float8 ``dot_general`` per block of 32
-scaled and summed in float32, and ``fp8_mxfp8_native``, ``jax.nn.scaled_matmul`` (cuDNN's MXFP8
-GEMM on Blackwell; elsewhere XLA expands it into a dequantize and a float32 dot), with
-``mxfp8_native_vs_emulated`` the speedup of the native form. On a GPU the native form is
-first compiled and run once in a separate process (``native_mx_probe``), so that a compiler
-abort there cannot end the run; if it fails its rows record why. A row that fails (out of memory:
-blockwise and emulated mxfp8 materialise one float32 partial product per K block; a backend
-without a lowering of ``scaled_matmul``) records its error.
+Low-bit rows (``payload["low_bit_gemm"]``, ``payload["low_bit_step"]``,
+``benchmarks/_low_bit.py``): square GEMMs of 1k to 16k and the GPT step (float32 model, loss
+under ``jaxamp.autocast``), each ``jaxamp.Float8Recipe`` scaling and each
+``jaxamp.Float4Recipe`` format (``fp4_nvfp4_*``, ``fp4_mxfp4_*``) against
+``"mixed_bfloat16"`` through the same autocast, timed interleaved in one process (medians):
+TFLOP/s and the ratio to bf16. The recipes with a native GEMM (mxfp8, nvfp4, mxfp4) run in
+both forms of ``gemm=``: ``*_emulated``, a low-bit ``dot_general`` per block scaled and summed
+in float32, and ``*_native``, ``jax.nn.scaled_matmul`` (cuDNN's block-scaled GEMM on
+Blackwell; elsewhere XLA expands it into a dequantize and a float32 dot), with
+``<format>_native_vs_emulated`` the speedup of the native form. On a GPU each native form is
+first compiled and run once in a separate process (``native_probe``), so that a compiler
+abort there cannot end the run; if it fails its rows record why. A row that fails (out of
+memory: blockwise and the emulated block forms materialise one float32 partial product per K
+block; a backend without a lowering of ``scaled_matmul``) records its error.
 
     python -m benchmarks.gpu_speed            # full size, GPU only
     python -m benchmarks.gpu_speed --smoke    # seconds, any backend
@@ -39,31 +41,30 @@ without a lowering of ``scaled_matmul``) records its error.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import jaxamp
 from benchmarks import _harness, _models, low_precision
+from benchmarks._low_bit import (
+    SMOKE_STEP_VARIANTS,
+    low_bit_gemm_rows,
+    low_bit_step_rows,
+    low_bit_table,
+    native_skips,
+)
 from benchmarks._multi_gpu import multi_gpu_rows
-from jaxamp._fp8 import SCALINGS, names  # the scaling table: a new scaling gets its rows
 
 NAME = "gpu_speed"
 PAD_MULTIPLE = 64
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-FP8_SCALINGS = names("fp8")
-MX_GEMMS = ("emulated", "native")  # mxfp8 runs in both forms (Float8Recipe.gemm)
 GEMM_SIZES = (1024, 2048, 4096, 8192, 16384)
 # The optimizer-step part: 4 layers of 8192 x 8192 (268M params), 20 interleaved repetitions.
 OPTIMIZER = {"sizes": {"n_leaves": 8, "width": 8192, "batch": 8}, "reps": 20, "rep_seconds": 0.2}
-SMOKE_STEP_VARIANTS = ("bf16", "fp8_tensorwise")
 SMOKE_OPTIMIZER = {"sizes": low_precision.SMOKE_SIZES, "reps": 2, "rep_seconds": 0.001}
 
 # Dense bfloat16 peak FLOP/s by device_kind substring (vendor datasheets, no sparsity).
@@ -148,164 +149,6 @@ def measure(
     }
 
 
-def fp8_variants() -> dict[str, Any]:
-    """Row name -> policy: bf16, each scaling, and mxfp8 in both its forms."""
-    variants: dict[str, Any] = {"bf16": "mixed_bfloat16"}
-    for s in FP8_SCALINGS:
-        if SCALINGS[s].native:
-            variants.update({f"fp8_{s}_{g}": jaxamp.Float8Recipe(s, gemm=g) for g in MX_GEMMS})
-        else:
-            variants[f"fp8_{s}"] = jaxamp.Float8Recipe(s)
-    return variants
-
-
-def _interleaved(fns: dict[str, Any], args: tuple, reps: int, inner: int) -> dict[str, Any]:
-    """Median seconds per call of each compiled fn, timed in rotating order; or its error."""
-    compiled, out = {}, {}
-    for name, fn in fns.items():
-        try:
-            jax.block_until_ready(fn(*args))
-            compiled[name] = fn
-        except Exception as error:  # an out-of-memory row is a result, not a crash
-            out[name] = f"failed: {type(error).__name__}: {str(error)[:200]}"
-    times: dict[str, list[float]] = {name: [] for name in compiled}
-    names = list(compiled)
-    for rep in range(reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            start = time.perf_counter()
-            for _ in range(inner):
-                result = compiled[name](*args)
-            jax.block_until_ready(result)
-            times[name].append((time.perf_counter() - start) / inner)
-    return {**out, **{name: _harness.median(t) for name, t in times.items()}}
-
-
-_NATIVE_PROBE = """
-import jax, jax.numpy as jnp, jaxamp
-mm = jaxamp.autocast(lambda x, w: x @ w, jaxamp.Float8Recipe("mxfp8", gemm="native"))
-x = jnp.ones((256, 256), jnp.bfloat16)
-print(float(jax.jit(jax.grad(lambda x, w: mm(x, w).astype(jnp.float32).sum()))(x, x).sum()))
-"""
-
-
-def native_mx_probe() -> dict[str, str]:
-    """``{}`` if a native mxfp8 product and its gradient compile and run in a fresh process.
-
-    Else ``{"fp8_mxfp8_native": why}``: the rows skip it. A separate process, because
-    a compiler that aborts (a cuDNN without an MXFP8 kernel for the chip) would
-    otherwise end the whole run.
-    """
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _NATIVE_PROBE], capture_output=True, text=True, timeout=900
-        )
-    except subprocess.TimeoutExpired:
-        return {"fp8_mxfp8_native": "skipped: the native probe timed out"}
-    if proc.returncode == 0:
-        return {}
-    lines = proc.stderr.strip().splitlines() or [""]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    why = (errors or lines)[-1][:200]
-    return {"fp8_mxfp8_native": f"skipped: native probe exited {proc.returncode}: {why}"}
-
-
-def _matmul(x, w):
-    return x @ w
-
-
-def _fns(make: Any, skip: dict[str, str], only: Sequence[str] | None = None) -> dict[str, Any]:
-    return {
-        name: make(policy)
-        for name, policy in fp8_variants().items()
-        if name not in skip and (only is None or name in only)
-    }
-
-
-def fp8_gemm_rows(
-    sizes: Sequence[int], reps: int, inner: int, skip: dict[str, str] | None = None
-) -> list[dict[str, Any]]:
-    """``x @ w`` of n x n bfloat16 operands under autocast, each recipe against bf16.
-
-    ``skip``: row name -> why it does not run (recorded as its error).
-    """
-    skip = skip or {}
-    rows = []
-    for n in sizes:
-        keys = jax.random.split(jax.random.key(n))
-        x, w = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys)
-        fns = _fns(lambda policy: jax.jit(jaxamp.autocast(_matmul, policy)), skip)
-        timed = {**skip, **_interleaved(fns, (x, w), reps, inner)}
-        rows.append(_ratio_row({"n": n}, timed, 2.0 * n**3))
-    return rows
-
-
-def fp8_step_rows(
-    config: _models.GPTConfig,
-    reps: int,
-    inner: int,
-    skip: dict[str, str] | None = None,
-    only: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """One GPT training step (float32 model, loss under autocast), each recipe against bf16.
-
-    ``only``: the row names to run (all of ``fp8_variants()`` when ``None``).
-    """
-    model = _models.GPT(config)
-    params = _models.gpt_init(model, config)
-    loss_fn = _models.gpt_loss_fn(model)
-    batch = _models.gpt_batch(config)
-    tx = optax.adamw(3e-4)
-
-    def step_of(policy):
-        loss = jaxamp.autocast(loss_fn, policy)
-
-        def step(params, opt_state, batch):
-            value, grads = jax.value_and_grad(loss)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value
-
-        return jax.jit(step)
-
-    skip = skip or {}
-    args = (params, tx.init(params), batch)
-    timed = {**skip, **_interleaved(_fns(step_of, skip, only), args, reps, inner)}
-    return _ratio_row({"model": "gpt"}, timed, config.train_flops_per_step())
-
-
-def _ratio_row(row: dict[str, Any], timed: dict[str, Any], flops: float) -> dict[str, Any]:
-    base = timed.get("bf16")
-    for name, t in timed.items():
-        if isinstance(t, str):
-            row[name] = {"error": t}
-            continue
-        ratio = None if not isinstance(base, float) else base / t
-        row[name] = {"median_s": t, "tflops_per_s": flops / t / 1e12, "speedup_vs_bf16": ratio}
-    native, emulated = timed.get("fp8_mxfp8_native"), timed.get("fp8_mxfp8_emulated")
-    if isinstance(native, float) and isinstance(emulated, float):
-        row["mxfp8_native_vs_emulated"] = emulated / native
-    return row
-
-
-def fp8_table(rows: list[dict[str, Any]]) -> str:
-    names = list(fp8_variants())
-    headers = ["case", *(f"{n} TFLOP/s (x bf16)" for n in names)]
-    body = []
-    for r in rows:
-        cells = [f"n={r['n']}" if "n" in r else r["model"]]
-        for n in names:
-            c = r.get(n, {"error": "not run"})
-            ratio = c.get("speedup_vs_bf16")
-            cells.append(
-                c["error"][:30]
-                if "error" in c
-                else f"{c['tflops_per_s']:.1f} ({ratio:.2f}x)"
-                if ratio
-                else f"{c['tflops_per_s']:.1f}"
-            )
-        body.append(cells)
-    return _harness.format_table(headers, body)
-
-
 def table(results: list[dict[str, Any]]) -> str:
     headers = [
         "precision",
@@ -380,18 +223,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result = measure(config, model_flops, precision, padded, reps, steps_per_rep, peak)
             results.append(result)
             print(table([result]), flush=True)
-    sizes, fp8_reps, inner = ((128,), 1, 1) if args.smoke else (GEMM_SIZES, 10, 5)
-    # On a GPU the native MX GEMM is first tried in a separate process (it may abort).
-    skip = native_mx_probe() if jax.default_backend() == "gpu" else {}
+    sizes, low_reps, inner = ((128,), 1, 1) if args.smoke else (GEMM_SIZES, 10, 5)
+    # On a GPU each native block-scaled GEMM is first tried in a separate process (it may abort).
+    skip = native_skips()
     with jax.numpy_dtype_promotion("standard"):
-        payload["fp8_gemm"] = fp8_gemm_rows(sizes, fp8_reps, inner, skip)
-        # Smoke: every recipe in the GEMM row, two in the step (each compiles a GPT step).
+        payload["low_bit_gemm"] = low_bit_gemm_rows(sizes, low_reps, inner, skip)
+        # Smoke: every recipe in the GEMM row, three in the step (each compiles a GPT step).
         only = SMOKE_STEP_VARIANTS if args.smoke else None
-        payload["fp8_step"] = fp8_step_rows(config, fp8_reps, inner, skip, only)
+        payload["low_bit_step"] = low_bit_step_rows(config, low_reps, inner, skip, only)
     payload["status"] = "ok"
     payload["results"] = results
     print(table(results))
-    print(fp8_table([*payload["fp8_gemm"], payload["fp8_step"]]))
+    print(low_bit_table([*payload["low_bit_gemm"], payload["low_bit_step"]]))
     optimizer = SMOKE_OPTIMIZER if args.smoke else OPTIMIZER
     with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes floats and int32
         payload["optimizer"] = {

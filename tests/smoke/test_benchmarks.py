@@ -13,6 +13,7 @@ import pytest
 
 import jaxamp
 from benchmarks import (
+    _low_bit,
     _models,
     _multi_gpu,
     _variants,
@@ -191,23 +192,29 @@ def test_gpu_speed_smoke(tmp_path):
         dims = r["dims"]
         aligned = all(d % gpu_speed.PAD_MULTIPLE == 0 for d in dims.values())
         assert aligned == r["padded"]
-    # FP8 rows: one GEMM size and the GPT step, every recipe next to bf16 autocast,
-    # mxfp8 in both forms; the native one where this JAX lowers scaled_matmul here.
-    variants = set(gpu_speed.fp8_variants())
-    assert {"bf16", "fp8_tensorwise", "fp8_mxfp8_emulated", "fp8_mxfp8_native"} <= variants
+    # Low-bit rows: one GEMM size and the GPT step, every FP8 and FP4 recipe next to bf16
+    # autocast, the block-scaled ones in both forms; native where this JAX lowers
+    # scaled_matmul here.
+    variants = set(_low_bit.low_bit_variants())
+    natives = {f"{f}_native" for f in ("fp8_mxfp8", "fp4_nvfp4", "fp4_mxfp4")}
+    assert {"bf16", "fp8_tensorwise", *natives, *(n[:-6] + "emulated" for n in natives)} == (
+        variants - {f"fp8_{s}" for s in ("rowwise", "blockwise")}
+    )
     native_runs = _native.native_lowers(jax.default_backend())
-    step = payload["fp8_step"]
-    assert set(gpu_speed.SMOKE_STEP_VARIANTS) <= set(step) and "fp8_rowwise" not in step
+    step = payload["low_bit_step"]
+    assert set(_low_bit.SMOKE_STEP_VARIANTS) <= set(step) and "fp8_rowwise" not in step
     assert _positive(step["fp8_tensorwise"]["tflops_per_s"])
-    for row in payload["fp8_gemm"]:
+    assert _positive(step["fp4_nvfp4_emulated"]["tflops_per_s"])
+    for row in payload["low_bit_gemm"]:
         assert variants <= set(row)
         assert row["bf16"]["speedup_vs_bf16"] == 1.0
-        assert all(_positive(row[v]["tflops_per_s"]) for v in variants - {"fp8_mxfp8_native"})
-        native = row["fp8_mxfp8_native"]
-        if native_runs:
-            assert _positive(native["tflops_per_s"]) and _positive(row["mxfp8_native_vs_emulated"])
-        else:
-            assert "gemm='native'" in native["error"] and "mxfp8_native_vs_emulated" not in row
+        assert all(_positive(row[v]["tflops_per_s"]) for v in variants - natives)
+        for name in natives:
+            ratio = f"{name.split('_')[1]}_native_vs_emulated"
+            if native_runs:
+                assert _positive(row[name]["tflops_per_s"]) and _positive(row[ratio])
+            else:
+                assert "gemm='native'" in row[name]["error"] and ratio not in row
     # The optimizer step of every low_precision variant, timed against float32 Adam.
     optimizer = {r["variant"]: r for r in payload["optimizer"]["results"]}
     assert set(optimizer) == set(low_precision.VARIANTS)
