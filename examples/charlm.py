@@ -50,6 +50,7 @@ import jaxamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # the examples folder is not a package: import by path
+import _moe
 
 # A fixed, sorted selection: small and mid-sized pure-Python modules (~680 kB).
 STDLIB_FILES = (
@@ -82,7 +83,36 @@ FP8_SETUPS = {
     f"autocast_fp8_{scaling}": jaxamp.Float8Recipe(scaling)
     for scaling in ("tensorwise", "rowwise", "blockwise", "mxfp8")
 }
-ALL_SETUPS = (*SETUPS, *FP8_SETUPS)
+# FP4 matmuls through autocast: NVFP4 and MXFP4, and each switch of the recipe
+# turned off (see docs/fp4.md); "keep_last" is the NVFP4 paper's rule: the LM head
+# and the last block in bfloat16 (the embeddings are lookups, not matmuls);
+# "keep_head" keeps the LM head alone.
+FP4_SETUPS = {
+    "autocast_nvfp4": {},
+    "autocast_nvfp4_keep_last": {"keep_last": True},
+    "autocast_nvfp4_keep_head": {"keep_head": True},
+    "autocast_nvfp4_no_hadamard": {"hadamard": False},
+    "autocast_nvfp4_no_sr": {"stochastic_rounding": False},
+    "autocast_nvfp4_1d_weights": {"weight_blocks_2d": False},
+    "autocast_mxfp4_floor": {"format": "mxfp4"},
+    "autocast_mxfp4_ceil": {"format": "mxfp4", "scale_rounding": "ceil"},
+}
+ALL_SETUPS = (*SETUPS, *FP8_SETUPS, *FP4_SETUPS)
+
+
+def keep_last_rule(layers: int) -> tuple[str, ...]:
+    """The NVFP4 paper's ``high_precision`` rule for this model: the LM head and the last block."""
+    return (r"\['head'\]", rf"\['blocks'\]\[{layers - 1}\]")
+
+
+def fp4_recipe(setup: str, layers: int) -> jaxamp.Float4Recipe:
+    """The ``jaxamp.Float4Recipe`` of an ``FP4_SETUPS`` entry."""
+    fields = dict(FP4_SETUPS[setup])
+    if fields.pop("keep_last", False):
+        fields["high_precision"] = keep_last_rule(layers)
+    if fields.pop("keep_head", False):
+        fields["high_precision"] = keep_last_rule(layers)[0]
+    return jaxamp.Float4Recipe(**fields)
 
 
 def load_text(max_chars: int | None = None) -> str:
@@ -118,20 +148,34 @@ def split_blocks(ids: np.ndarray, block: int = 4096, every: int = 10) -> tuple[n
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP."""
+    """Pre-norm transformer block: causal self-attention and a GELU MLP (or experts)."""
 
-    def __init__(self, width: int, heads: int, mlp: int, policy: jaxamp.Policy, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp: int,
+        policy: jaxamp.Policy,
+        rngs: nnx.Rngs,
+        experts: int = 0,
+    ):
         dtypes = policy.module_kwargs()
         self.norm1 = nnx.LayerNorm(width, rngs=rngs, **dtypes)
         self.attention = nnx.MultiHeadAttention(
             heads, width, decode=False, deterministic=True, rngs=rngs, **dtypes
         )
         self.norm2 = nnx.LayerNorm(width, rngs=rngs, **dtypes)
-        self.up = nnx.Linear(width, mlp, rngs=rngs, **dtypes)
-        self.down = nnx.Linear(mlp, width, rngs=rngs, **dtypes)
+        if experts:
+            # Each expert half the dense MLP: top-2 routing does the dense model's FLOPs.
+            self.experts = _moe.MoEFeedForward(width, mlp // 2, experts, rngs, **dtypes)
+        else:
+            self.up = nnx.Linear(width, mlp, rngs=rngs, **dtypes)
+            self.down = nnx.Linear(mlp, width, rngs=rngs, **dtypes)
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attention(self.norm1(x), mask=mask)
+        if hasattr(self, "experts"):
+            return x + self.experts(self.norm2(x))
         return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
 
@@ -154,12 +198,15 @@ class CharTransformer(nnx.Module):
         mlp: int,
         layers: int,
         rngs: nnx.Rngs,
+        experts: int = 0,
     ):
         dtypes = policy.module_kwargs()
         self.vocab = vocab
         self.embed = nnx.Embed(padded_vocab, width, rngs=rngs, **dtypes)
         self.position = nnx.Embed(context, width, rngs=rngs, **dtypes)
-        self.blocks = nnx.List([Block(width, heads, mlp, policy, rngs) for _ in range(layers)])
+        self.blocks = nnx.List(
+            [Block(width, heads, mlp, policy, rngs, experts) for _ in range(layers)]
+        )
         self.norm = nnx.LayerNorm(width, rngs=rngs, **dtypes)
         self.head = nnx.Linear(width, padded_vocab, rngs=rngs, **dtypes)
         self.output_dtype = policy.output_dtype
@@ -191,6 +238,7 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
         "heads": max(1, width // args.head_dim),
         "layers": args.layers,
         "context": args.context,
+        "experts": args.experts,
     }
 
 
@@ -204,6 +252,8 @@ def build(setup: str, dims: dict[str, int], seed: int) -> tuple[CharTransformer,
         return model, _common.autocast_loss(next_char_loss, "mixed_bfloat16")
     if setup in FP8_SETUPS:
         return model, _common.autocast_loss(next_char_loss, FP8_SETUPS[setup])
+    if setup in FP4_SETUPS:
+        return model, _common.autocast_loss(next_char_loss, fp4_recipe(setup, dims["layers"]))
     return model, next_char_loss
 
 
@@ -273,12 +323,20 @@ def train(
         "residual_bytes": residuals,
         "bf16_share": report.fraction_in(jnp.bfloat16),
         "fp8_share": report.fp8_fraction,
+        "fp4_share": _fp4_share(report),
         "misaligned": len(report.misaligned),
         "matmuls": len(report.matmuls),
         "step_ms": 1e3 * train_seconds / args.steps,
         **memory,
     }
     return row, hist, text
+
+
+def _fp4_share(report: Any) -> float:
+    """The fraction of matmul FLOPs with float4 operands."""
+    total = report.total_flops
+    fp4 = sum(m.flops for m in report.matmuls if "float4_e2m1fn" in m.operand_dtypes)
+    return fp4 / total if total else 0.0
 
 
 def generate(
@@ -366,6 +424,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=None, help="model width (128; --fast: 32)")
     parser.add_argument("--layers", type=int, default=None, help="blocks (2; --fast: 1)")
     parser.add_argument("--head-dim", type=int, default=32, help="width per attention head")
+    parser.add_argument(
+        "--experts", type=int, default=0, help="top-2-of-N expert MLPs per block (0: dense MLP)"
+    )
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=None, help="steps (50; --fast: 6)")
     parser.add_argument("--eval-windows", type=int, default=64, help="validation sequences")

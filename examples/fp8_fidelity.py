@@ -1,11 +1,17 @@
-"""FP8 fidelity: charlm and digits under each FP8 recipe, over seeds, next to float32 and bfloat16.
+"""Low-bit fidelity: charlm, its mixture-of-experts twin and digits under each FP8 and FP4 recipe.
 
 Every setup trains the same float32 model from the same initial weights on the
 same batches (per seed); ``autocast_bfloat16`` runs the loss under
-``jaxamp.autocast(loss, "mixed_bfloat16")`` and ``autocast_fp8_<scaling>``
-under ``jaxamp.autocast(loss, jaxamp.Float8Recipe(<scaling>))``, so the FP8 rows
-differ from the bfloat16 one only in their matmuls and convolutions. On a CPU
-the FP8 products are emulated: step times here say nothing about GPU speed.
+``jaxamp.autocast(loss, "mixed_bfloat16")``, ``autocast_fp8_<scaling>``
+under ``jaxamp.autocast(loss, jaxamp.Float8Recipe(<scaling>))`` and the
+``autocast_nvfp4*`` / ``autocast_mxfp4*`` setups under a ``jaxamp.Float4Recipe``
+(``charlm.FP4_SETUPS``: each switch turned off in turn, and ``high_precision``
+rules), so the low-bit rows differ from the bfloat16 one only in their matmuls
+and convolutions. ``moe`` is charlm with every block's MLP replaced by top-2 of
+4 experts through ``jax.lax.ragged_dot`` (``charlm.py --experts 4``). The FP4
+setups run on the two language models (digits is a convolutional network: FP4
+leaves convolutions in bfloat16). On a CPU the FP8 and FP4 products are
+emulated: step times here say nothing about GPU speed.
 
 Each finished run is appended to ``--out``/fp8_fidelity.jsonl (so an
 interrupted run keeps what it has), and the table over seeds is written to
@@ -29,12 +35,13 @@ import _common  # the examples folder is not a package: import by path
 import charlm
 import digits
 
-SETUPS = ("float32", "autocast_bfloat16", *charlm.FP8_SETUPS)
+SETUPS = ("float32", "autocast_bfloat16", *charlm.FP8_SETUPS, *charlm.FP4_SETUPS)
 BASELINE = "autocast_bfloat16"
 
 
-def charlm_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def charlm_run(setup: str, seed: int, args: argparse.Namespace, experts: int = 0) -> dict[str, Any]:
     argv = [
+        *("--experts", str(experts)),
         *("--steps", str(args.charlm_steps), "--width", str(args.charlm_width)),
         *("--batch-size", str(args.charlm_batch), "--context", str(args.charlm_context)),
         *("--layers", str(args.charlm_layers), "--eval-every", str(args.charlm_steps)),
@@ -43,7 +50,17 @@ def charlm_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any
     run_args = charlm.parse_args(argv)
     train_ids, valid_ids = charlm.split_blocks(charlm.encode(charlm.load_text()))
     row, _, _ = charlm.train(setup, train_ids, valid_ids, run_args, charlm.sizes(run_args))
-    return {"metric": row["valid_bits"], "fp8_share": row["fp8_share"], "step_ms": row["step_ms"]}
+    return {
+        "metric": row["valid_bits"],
+        "fp8_share": row["fp8_share"],
+        "fp4_share": row["fp4_share"],
+        "step_ms": row["step_ms"],
+    }
+
+
+def moe_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    moe_args = argparse.Namespace(**{**vars(args), "charlm_batch": args.moe_batch})
+    return charlm_run(setup, seed, moe_args, experts=args.experts)
 
 
 def digits_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -58,8 +75,14 @@ def digits_run(setup: str, seed: int, args: argparse.Namespace) -> dict[str, Any
     return {"metric": row["test_loss"], "accuracy": row["accuracy"], "step_ms": row["step_ms"]}
 
 
-RUNS = {"charlm": charlm_run, "digits": digits_run}
-METRICS = {"charlm": "validation bits/char", "digits": "test cross-entropy (nats)"}
+RUNS = {"charlm": charlm_run, "moe": moe_run, "digits": digits_run}
+METRICS = {
+    "charlm": "validation bits/char",
+    "moe": "validation bits/char",
+    "digits": "test cross-entropy (nats)",
+}
+# digits is convolutional: FP4 recipes run convolutions in bfloat16 (docs/fp4.md).
+SKIPPED = {"digits": set(charlm.FP4_SETUPS)}
 
 
 def summarise(records: list[dict[str, Any]], example: str) -> str:
@@ -85,6 +108,10 @@ def summarise(records: list[dict[str, Any]], example: str) -> str:
         if example == "digits":
             acc = [r["accuracy"] for r in by_setup[setup]]
             row["extra"] = f"{100 * np.mean(acc):.1f}%"
+        else:
+            first = by_setup[setup][0]
+            low = first.get("fp8_share", 0.0) + first.get("fp4_share", 0.0)
+            row["extra"] = f"{100 * low:.0f}%"
         rows.append(row)
     columns = [
         ("setup", "setup"),
@@ -93,14 +120,13 @@ def summarise(records: list[dict[str, Any]], example: str) -> str:
         ("vs", f"vs {BASELINE}"),
         ("per_seed", "per seed"),
     ]
-    if example == "digits":
-        columns.append(("extra", "test accuracy"))
+    columns.append(("extra", "test accuracy" if example == "digits" else "matmul FLOPs in FP8/FP4"))
     return f"## {example}\n\n" + _common.markdown_table(rows, columns)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", default="charlm,digits")
+    parser.add_argument("--examples", default="charlm,moe,digits")
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--charlm-steps", type=int, default=300)
@@ -108,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--charlm-layers", type=int, default=2)
     parser.add_argument("--charlm-batch", type=int, default=16)
     parser.add_argument("--charlm-context", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=4, help="experts per block of moe")
+    parser.add_argument("--moe-batch", type=int, default=8, help="sequences per step of moe")
     parser.add_argument("--digits-steps", type=int, default=300)
     parser.add_argument("--digits-batch", type=int, default=64)
     _common.add_output_arguments(parser, "fp8_fidelity.md/.jsonl")
@@ -124,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.fast:
         args.seeds, args.charlm_steps, args.charlm_width, args.charlm_layers = 1, 4, 32, 1
         args.charlm_batch, args.charlm_context, args.digits_steps, args.digits_batch = 4, 16, 4, 16
+        args.moe_batch = 2
     args.examples = [e for e in args.examples.split(",") if e]
     args.setups = [s for s in args.setups.split(",") if s]
     bad = [e for e in args.examples if e not in RUNS] + [s for s in args.setups if s not in SETUPS]
@@ -144,7 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         log.write_text("".join(json.dumps(r) + "\n" for r in records))
     for example in args.examples if args.from_log is None else ():
         for seed in range(args.seeds):
-            for setup in args.setups:
+            for setup in (s for s in args.setups if s not in SKIPPED.get(example, ())):
                 record = {"example": example, "setup": setup, "seed": seed}
                 record.update(RUNS[example](setup, seed, args))
                 print(json.dumps(record), flush=True)
@@ -155,13 +184,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     given = sys.argv[1:] if argv is None else argv
     _common.write_markdown(
         args.out / "fp8_fidelity.md",
-        "FP8 fidelity: each recipe next to float32 and bfloat16, over seeds",
+        "Low-bit fidelity: each FP8 and FP4 recipe next to float32 and bfloat16, over seeds",
         " ".join(["python examples/fp8_fidelity.py", *given]),
         tables,
         f"charlm: {args.charlm_layers} blocks, width {args.charlm_width}, batch "
         f"{args.charlm_batch} x {args.charlm_context} characters, {args.charlm_steps} steps. "
         f"digits: {args.digits_steps} steps of {args.digits_batch} images. Convolutions are "
-        "FP8 tensorwise under every recipe (docs/fp8.md). "
+        "FP8 tensorwise under every FP8 recipe (docs/fp8.md). FP4 rows: "
+        "`keep_last` keeps the LM head and the last block in bfloat16 (the NVFP4 paper's "
+        "rule), `keep_head` the LM head; the others switch off one part of the recipe "
+        "(docs/fp4.md). "
         + (
             "Tables joined (--from-log) from the jsonl logs of runs of this script with the "
             "same settings, one per example (`--examples charlm`, `--examples digits`), "

@@ -100,8 +100,9 @@ class Float4Recipe:
         matched with ``re.search`` against ``jax.tree_util.keystr`` of the path
         of each leaf of ``fun``'s first argument (e.g. ``r"\['head'\]"``): a
         matmul with an operand from a matching leaf (seen through reshapes,
-        transposes and jit/checkpoint/custom_jvp bodies; not through casts or
-        into scan bodies) runs in the compute dtype.
+        transposes, jit/checkpoint/custom_jvp bodies and scan bodies, where a
+        stacked leaf keeps every layer of the stack; not through casts) runs in
+        the compute dtype.
       quantize_activation_products: quantize products of two activations
         (attention's QK and PV) too; by default they run in ``compute_dtype``.
       compute_dtype: the dtype of matmul results and of everything else,

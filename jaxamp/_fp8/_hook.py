@@ -64,7 +64,7 @@ def recipe_weights(
     FP8 (tensorwise): the step's weight amaxes from one fused reduction. With
     ``high_precision``: the ids of the contractions one of whose operands is a
     matching leaf of ``fun``'s first argument (``paths``: each input's key path in
-    ``(args, kwargs)``), seen through views and jit/checkpoint/custom_jvp bodies.
+    ``(args, kwargs)``), seen through views and jit/checkpoint/custom_jvp/scan bodies.
     """
     amaxes = fp8_weight_amaxes(recipe, closed, inputs) if isinstance(recipe, Float8Recipe) else None
     if recipe.high_precision is None or paths is None:
@@ -73,7 +73,7 @@ def recipe_weights(
     _warn_unmatched(recipe, list(names.values()))
     patterns = recipe.high_precision
     matching = {i for i, name in names.items() if any(re.search(p, name) for p in patterns)}
-    operands = weight_operands(closed, ALL_CONTRACTIONS)
+    operands = weight_operands(closed, ALL_CONTRACTIONS, scans=True)
     ids = frozenset(eqn for (eqn, _), i in operands.items() if i in matching)
     return PrePass(amaxes, ids)
 

@@ -58,8 +58,27 @@ def _inner_jaxpr(eqn: jex.JaxprEqn) -> jex.ClosedJaxpr | None:
     return None
 
 
-def _visit(jaxpr: jex.Jaxpr, sources: dict, found: dict, contractions: frozenset) -> None:
-    """Records, for each contraction operand, the input it views (None: not an input)."""
+def _scan_sources(eqn: jex.JaxprEqn, ins: list) -> tuple[jex.Jaxpr, dict]:
+    """A scan body and the inputs its consts and per-iteration slices (xs) come from.
+
+    A slice of a stacked weight counts as the stacked leaf: a ``high_precision``
+    rule matching it keeps that product in every iteration (every layer of the
+    stack). The carry changes from one iteration to the next: it is no input.
+    """
+    body = eqn.params["jaxpr"].jaxpr
+    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    skip = set(range(consts, consts + carry))
+    pairs = zip(body.invars, ins, strict=True)
+    return body, {v: s for i, (v, s) in enumerate(pairs) if s is not None and i not in skip}
+
+
+def _visit(
+    jaxpr: jex.Jaxpr, sources: dict, found: dict, contractions: frozenset, scans: bool = False
+) -> None:
+    """Records, for each contraction operand, the input it views (None: not an input).
+
+    ``scans``: follow inputs into scan bodies (:func:`_scan_sources`).
+    """
     for eqn in jaxpr.eqns:
         ins = [sources.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
         name = eqn.primitive.name
@@ -77,11 +96,13 @@ def _visit(jaxpr: jex.Jaxpr, sources: dict, found: dict, contractions: frozenset
                 for var, src in zip(inner.jaxpr.invars, ins, strict=False)
                 if src is not None
             }
-            _visit(inner.jaxpr, inner_sources, found, contractions)
+            _visit(inner.jaxpr, inner_sources, found, contractions, scans)
+        elif scans and name == "scan":
+            _visit(*_scan_sources(eqn, ins), found, contractions, scans)
 
 
 def weight_operands(
-    closed: jex.ClosedJaxpr, contractions: frozenset = _CONTRACTIONS
+    closed: jex.ClosedJaxpr, contractions: frozenset = _CONTRACTIONS, scans: bool = False
 ) -> dict[tuple[int, int], int]:
     """``{(id(contraction eqn), operand index): input index}`` for operands that are inputs.
 
@@ -89,12 +110,14 @@ def weight_operands(
     amaxes: dots and convolutions; ``ALL_CONTRACTIONS`` adds ``ragged_dot_general``).
 
     Follows views and the call-like primitives autocast evaluates in place (jit,
-    checkpoint, custom_jvp); operands inside scan, while or cond bodies are per
-    iteration or per branch and are left out.
+    checkpoint, custom_jvp). Operands inside while or cond bodies are per
+    iteration or per branch and are left out; so are scan bodies', unless
+    ``scans`` (``high_precision``: a slice of a stacked weight is that weight;
+    not the fused amaxes, whose slices each have their own).
     """
     sources = {var: i for i, var in enumerate(closed.jaxpr.invars)}
     found: dict = {}
-    _visit(closed.jaxpr, sources, found, contractions)
+    _visit(closed.jaxpr, sources, found, contractions, scans)
     return {key: src for key, src in found.items() if src is not None}
 
 

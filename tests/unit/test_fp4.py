@@ -324,6 +324,34 @@ def test_high_precision_keeps_matching_parameters_in_the_compute_dtype(cls):
         assert dot_dtypes(jaxamp.autocast(net, recipe), params, x)[0] == (F4, F4)
 
 
+@pytest.mark.parametrize("cls", [jaxamp.Float4Recipe, jaxamp.Float8Recipe])
+def test_high_precision_keeps_a_scanned_stack_whole(cls):
+    # A stack of layers under scan is one leaf: a rule keeps every layer of it or none.
+    params = {"stack": jnp.ones((3, 32, 32)) / 32, "head": jnp.ones((32, 16)) / 8}
+    x = jnp.ones((16, 32))
+
+    def net(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["stack"])
+        return jnp.sum(h @ params["head"])
+
+    def kinds(fun):  # (operand kind, runs) per product, in trace order
+        report = jaxamp.precision_report(fun, params, x)
+        return [
+            ("bf16" if m.compute_dtype == "bfloat16" else "low", m.count) for m in report.matmuls
+        ]
+
+    stack, head = cls(high_precision=r"\['stack'\]"), cls(high_precision=r"\['head'\]")
+    assert kinds(jaxamp.autocast(net, stack)) == [("bf16", 3), ("low", 1)]
+    assert kinds(jaxamp.autocast(net, head)) == [("low", 3), ("bf16", 1)]
+    grads = kinds(jax.grad(jaxamp.autocast(net, stack)))
+    assert sorted(grads) == [("bf16", 3)] * 3 + [("low", 1)] * 3
+    # Kept in bfloat16, the stack's products are bit for bit those of mixed_bfloat16.
+    loss = jax.jit(jaxamp.autocast(net, stack))(params, x)
+    plain = jax.jit(jaxamp.autocast(net, cls(high_precision=(r"\['stack'\]", r"\['head'\]"))))
+    assert loss.dtype == jnp.float32 and bool(jnp.isfinite(loss))
+    assert plain(params, x) == jax.jit(jaxamp.autocast(net, "mixed_bfloat16"))(params, x)
+
+
 def test_fp8_recipe_rejects_an_fp4_format():
     with pytest.raises(ValueError, match="Float4Recipe"):
         jaxamp.Float8Recipe("nvfp4")
