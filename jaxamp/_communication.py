@@ -28,6 +28,7 @@ from jaxamp._hlo import (
     HloInstruction,
     HloModule,
     collective_kind,
+    element_bits,
     hlo_dtype,
     parse_module,
 )
@@ -67,7 +68,9 @@ class Collective:
       dtype: the element type on the wire.
       shape: the gathered shape for an all-gather, the full input's shape for a
         reduce-scatter, the operand's for the others.
-      bytes: the bytes of that shape (one device's view of the logical tensor).
+      bytes: the bytes of that shape (one device's view of the logical tensor),
+        half a byte per element of a 4-bit type (``float4_e2m1fn``, HLO's
+        ``f4e2m1fn``), rounded up.
       parameter: the argument the collective's data comes from (e.g.
         ``"params['w1']"``) when it is one followed through casts, layout
         changes, optimization barriers and elementwise scaling or shifts;
@@ -312,7 +315,8 @@ def _describe(inst: HloInstruction, module: HloModule) -> list[Collective]:
             kind=str(kind),
             dtype=hlo_dtype(dtype),
             shape=shape,
-            bytes=math.prod(shape) * hlo_dtype(dtype).itemsize,
+            # float4_e2m1fn: half a byte per element (XLA packs sub-byte types).
+            bytes=-(-math.prod(shape) * element_bits(hlo_dtype(dtype)) // 8),
             parameter=parameter,
             op_name=inst.op_name,
             location=location,

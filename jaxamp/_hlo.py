@@ -18,6 +18,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "HloInstruction",
     "HloModule",
+    "element_bits",
     "hlo_dtype",
     "parse_module",
 ]
@@ -61,11 +62,27 @@ def hlo_dtype(name: str) -> np.dtype:
     if name in _DTYPES:
         return _DTYPES[name]
     if name[0] in "su" and name[1:].isdigit():
-        return np.dtype(f"{'int' if name[0] == 's' else 'uint'}{name[1:]}")
+        # int4 and uint4 (s4, u4) are ml_dtypes', which NumPy does not name.
+        return np.dtype(getattr(jnp, f"{'int' if name[0] == 's' else 'uint'}{name[1:]}"))
     match = re.fullmatch(r"f(\d+)(e\d+m\d+\w*)", name)
     if match and hasattr(jnp, f"float{match[1]}_{match[2]}"):
         return np.dtype(getattr(jnp, f"float{match[1]}_{match[2]}"))
     raise ValueError(f"unknown HLO element type {name!r}")
+
+
+def element_bits(dtype: np.dtype) -> int:
+    """Bits per element of ``dtype``: 4 for ``float4_e2m1fn`` and ``int4``, whose
+    NumPy ``itemsize`` (1) is that of one unpacked element.
+
+    >>> element_bits(hlo_dtype("f4e2m1fn")), element_bits(hlo_dtype("bf16"))
+    (4, 16)
+    """
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return int(jnp.finfo(dtype).bits)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return int(jnp.iinfo(dtype).bits)
+    return 8 * dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)

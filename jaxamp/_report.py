@@ -19,8 +19,9 @@ import numpy as np
 from jaxamp._alignment import tensor_core_multiple
 from jaxamp._checks import check_callable
 from jaxamp._engine._contractions import conv_axes, dot_dims
-from jaxamp._engine._visit import walk
-from jaxamp._fp8._scalings import family_of, native_scaling, scaling_of_scope
+from jaxamp._engine._visit import walk_scoped
+from jaxamp._fp8._scalings import family_of, kept_in_scope, native_scaling, scaling_of_scope
+from jaxamp._report_table import report_text
 
 __all__ = [
     "MatmulInfo",
@@ -46,7 +47,9 @@ class MatmulInfo:
       out_dtype: the result dtype.
       flops: 2 * multiply-adds, times the trip count of enclosing scans.
       dims: the GEMM dims checked for alignment: ``{"M", "N", "K"}`` for a dot
-        (batch dims excluded; products over free/contracting dims), ``{"C_in",
+        (batch dims excluded; products over free/contracting dims; for an FP4
+        recipe's per-block float4 product, ``[.., K/16, 16] x [.., K/16, 16]``,
+        ``K`` spans the blocks: the dims of the dense product), ``{"C_in",
         "C_out"}`` (channels, NVIDIA's rule for convolutions) for a conv, as the
         conv is written: for the weight-gradient conv of a backward pass these
         are batch-like dims.
@@ -59,6 +62,9 @@ class MatmulInfo:
         ``"+pow2"`` for power-of-two scales), for an FP4 product its
         ``Float4Recipe.format`` (``"nvfp4"``, ``"mxfp4"``), read from the
         product's name scope (``jaxamp/_fp8/_scalings.py``); else ``""``.
+      high_precision: the recipe's ``high_precision=`` kept this product in the
+        compute dtype (its name scope ``kept_high_precision``), forward or
+        backward; ``fp8_recipe`` is then ``""``.
     """
 
     primitive: str
@@ -74,6 +80,7 @@ class MatmulInfo:
     aligned: dict[str, bool]
     count: int = 1
     fp8_recipe: str = ""
+    high_precision: bool = False
 
     @property
     def compute_dtype(self) -> str:
@@ -90,10 +97,20 @@ class MatmulInfo:
         """Both operands are 8-bit floats."""
         return all(np.dtype(d).itemsize == 1 and "float8" in d for d in self.operand_dtypes)
 
+    @property
+    def is_fp4(self) -> bool:
+        """Both operands are 4-bit floats (``float4_e2m1fn``: NVFP4, MXFP4)."""
+        return all("float4" in d for d in self.operand_dtypes)
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """What :func:`precision_report` found. ``str()`` gives a table.
+    """What :func:`precision_report` found.
+
+    ``str()`` gives a table, one row per matmul, then a summary: the FLOP
+    shares per operand dtype; with a recipe, ``"FP8: x% of FLOPs (rowwise)"``
+    and ``"FP4: x% of FLOPs (nvfp4)"``, and ``"kept in bfloat16 by
+    high_precision: N products, x% of FLOPs"``.
 
     Attributes:
       matmuls: every matmul/conv, in trace order.
@@ -122,6 +139,17 @@ class PrecisionReport:
         total = self.total_flops
         return 0.0 if total == 0 else sum(m.flops for m in self.matmuls if m.is_fp8) / total
 
+    @property
+    def fp4_fraction(self) -> float:
+        """The fraction of matmul/conv FLOPs with float4 operands (0.0 if none)."""
+        total = self.total_flops
+        return 0.0 if total == 0 else sum(m.flops for m in self.matmuls if m.is_fp4) / total
+
+    @property
+    def kept(self) -> tuple[MatmulInfo, ...]:
+        """The products a recipe's ``high_precision=`` kept in the compute dtype."""
+        return tuple(m for m in self.matmuls if m.high_precision)
+
     def fraction_in(self, dtype: Any) -> float:
         """The fraction of matmul/conv FLOPs whose operands are ``dtype`` (1.0 if none)."""
         name = np.dtype(dtype).name
@@ -134,102 +162,51 @@ class PrecisionReport:
         return tuple(m for m in self.matmuls if not m.is_aligned)
 
     def __str__(self) -> str:
-        header = ("op", "lhs", "rhs", "operands", "accum", "out", "FLOPs", "dims (* = misaligned)")
-        rows = [header, *(_row(m) for m in self.matmuls)]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = [
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-        ]
-        return "\n".join(lines + self._summary())
-
-    def _summary(self) -> list[str]:
-        total = self.total_flops
-        shares = ", ".join(
-            f"{_short(d)} {100.0 * f / total:.1f}%" for d, f in self.flops_by_dtype.items()
-        )
-        lines = [
-            f"{len(self.matmuls)} matmul/conv ops, {_si(total)} FLOPs"
-            + (f" ({shares})" if total else "")
-            + f"; {len(self.misaligned)} with a misaligned dim"
-        ]
-        if any(m.is_fp8 for m in self.matmuls):
-            recipes = sorted({m.fp8_recipe for m in self.matmuls if m.fp8_recipe})
-            lines.append(
-                f"FP8: {100.0 * self.fp8_fraction:.1f}% of FLOPs"
-                + (f" ({', '.join(recipes)})" if recipes else "")
-            )
-        return lines
+        return report_text(self)
 
 
-def _row(m: MatmulInfo) -> tuple[str, ...]:
-    """One line of the table: the op, shapes, dtypes, FLOPs and dims of ``m``."""
-    dims = " ".join(f"{k}={v}{'' if m.aligned[k] else '*'}" for k, v in m.dims.items())
-    count = f" (x{m.count})" if m.count != 1 else ""
-    recipe = f" {family_of(m.fp8_recipe)}:{m.fp8_recipe}" if m.fp8_recipe else ""
-    return (
-        _OP_NAMES[m.primitive],
-        "x".join(map(str, m.lhs_shape)),
-        "x".join(map(str, m.rhs_shape)),
-        "/".join(_short(d) for d in m.operand_dtypes),
-        _short(m.accumulation_dtype),
-        _short(m.out_dtype),
-        _si(m.flops),
-        dims + count + recipe,
-    )
+def _in_blocks(eqn: jex.JaxprEqn, stack: str) -> bool:
+    """A float4 product of an FP4 recipe: its last lhs batch dim numbers K's blocks.
+
+    ``_fp4`` and ``_ragged`` run a product as one per block along the contracting
+    dim, ``[.., K/16, 16] x [.., K/16, 16]``, the blocks a batch dim.
+    """
+    scaling = scaling_of_scope(stack)
+    dtypes = {np.dtype(v.aval.dtype).name for v in eqn.invars[:2]}  # pyright: ignore[reportAttributeAccessIssue]
+    return bool(scaling) and family_of(scaling) == "fp4" and dtypes == {"float4_e2m1fn"}
 
 
-def _si(n: int) -> str:
-    for div, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.3g}{suffix}"
-    return str(n)
-
-
-_OP_NAMES = {
-    "dot_general": "dot",
-    "conv_general_dilated": "conv",
-    "ragged_dot_general": "ragged",
-    "scaled_matmul_wrapper": "mx",
-}
-_SHORT = {
-    "float32": "f32",
-    "bfloat16": "bf16",
-    "float16": "f16",
-    "float64": "f64",
-    "float8_e4m3fn": "e4m3",
-    "float8_e5m2": "e5m2",
-}
-
-
-def _short(name: str) -> str:
-    return _SHORT.get(name, name)
-
-
-def _gemm_info(eqn: jex.JaxprEqn, count: int, dimension_numbers, rhs_other=()) -> MatmulInfo:
+def _gemm_info(
+    eqn: jex.JaxprEqn, count: int, stack: str, dimension_numbers, rhs_other=()
+) -> MatmulInfo:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     dims = dot_dims(dimension_numbers, lhs.ndim, rhs.ndim, rhs_other)
-    batch, m, k = (math.prod(lhs.shape[d] for d in ds) for ds in dims[:3])
-    n = math.prod(rhs.shape[d] for d in dims.rhs_free)
-    return _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+    lb, lf, lc, rf = dims.lhs_batch, dims.lhs_free, dims.lhs_contract, dims.rhs_free
+    if lb and _in_blocks(eqn, stack):  # the blocks count towards K: the dense product's dims
+        lb, lc = lb[:-1], (*lc, lb[-1])
+    batch, m, k = (math.prod(lhs.shape[d] for d in ds) for ds in (lb, lf, lc))
+    n = math.prod(rhs.shape[d] for d in rf)
+    return _info(eqn, count, stack, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
 
 
-def _dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
-    return _gemm_info(eqn, count, eqn.params["dimension_numbers"])
+def _dot_info(eqn: jex.JaxprEqn, count: int, stack: str) -> MatmulInfo:
+    return _gemm_info(eqn, count, stack, eqn.params["dimension_numbers"])
 
 
-def _ragged_dot_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+def _ragged_dot_info(eqn: jex.JaxprEqn, count: int, stack: str) -> MatmulInfo:
     # Each lhs row meets one group's weights: the FLOPs of a dot with K x N
     # weights, however many groups there are.
     numbers = eqn.params["ragged_dot_dimension_numbers"]
-    return _gemm_info(eqn, count, numbers.dot_dimension_numbers, numbers.rhs_group_dimensions)
+    dimension_numbers = numbers.dot_dimension_numbers
+    return _gemm_info(eqn, count, stack, dimension_numbers, numbers.rhs_group_dimensions)
 
 
-def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int, stack: str) -> MatmulInfo:
     # jax.nn.scaled_matmul: [B, M, K] x [B, N, K] with per-block scales (operands 2, 3).
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     batch, m, k = lhs.shape
     n = rhs.shape[1]
-    info = _info(eqn, count, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
+    info = _info(eqn, count, stack, 2 * batch * m * n * k, {"M": m, "N": n, "K": k})
     # Its block scales make it an MX (or NVFP4) product wherever it was written.
     if info.fp8_recipe or not (info.is_fp8 or "float4_e2m1fn" in info.operand_dtypes):
         return info
@@ -237,7 +214,7 @@ def _scaled_matmul_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     return dataclasses.replace(info, fp8_recipe=native_scaling(info.operand_dtypes[0], scale))
 
 
-def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
+def _conv_info(eqn: jex.JaxprEqn, count: int, stack: str) -> MatmulInfo:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
     axes = conv_axes(eqn.params["dimension_numbers"])
@@ -245,10 +222,13 @@ def _conv_info(eqn: jex.JaxprEqn, count: int) -> MatmulInfo:
     kernel = math.prod(rhs.shape[d] for d in axes.rhs_spatial)
     # Each output element is a dot over (in-features per group) x kernel taps.
     flops = 2 * math.prod(out.shape) * rhs.shape[axes.rhs_in] * kernel
-    return _info(eqn, count, flops, {"C_in": c_in, "C_out": c_out})
+    return _info(eqn, count, stack, flops, {"C_in": c_in, "C_out": c_out})
 
 
-def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> MatmulInfo:
+def _info(
+    eqn: jex.JaxprEqn, count: int, stack: str, flops: int, dims: dict[str, int]
+) -> MatmulInfo:
+    """The info of ``eqn``; ``stack``: its whole name stack (``walk_scoped``)."""
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
     preferred = eqn.params.get("preferred_element_type")
@@ -268,7 +248,8 @@ def _info(eqn: jex.JaxprEqn, count: int, flops: int, dims: dict[str, int]) -> Ma
         multiple=multiple,
         aligned={k: v % multiple == 0 for k, v in dims.items()},
         count=count,
-        fp8_recipe=scaling_of_scope(str(eqn.source_info.name_stack)),
+        fp8_recipe=scaling_of_scope(stack),
+        high_precision=kept_in_scope(stack),
     )
 
 
@@ -281,10 +262,10 @@ _MATMUL_INFO = {
 
 
 def _matmuls(jaxpr: jex.Jaxpr, op_dtypes: dict) -> Iterator[MatmulInfo]:
-    for eqn, count in walk(jaxpr):
+    for eqn, count, stack in walk_scoped(jaxpr):
         name = eqn.primitive.name
         if name in _MATMUL_INFO:
-            yield _MATMUL_INFO[name](eqn, count)
+            yield _MATMUL_INFO[name](eqn, count, stack)
         else:
             for var in eqn.outvars:
                 dtype = getattr(var.aval, "dtype", None)

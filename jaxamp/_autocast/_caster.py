@@ -9,6 +9,7 @@ and how each rule kind treats them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -39,7 +40,7 @@ from jaxamp._autocast._wide import KnownConstants, breaks_in, feeds_reduction
 from jaxamp._casting import F32, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
-from jaxamp._fp8 import Recipe, recipe_operands
+from jaxamp._fp8 import Recipe, kept_scope, recipe_operands
 from jaxamp._policy import Policy
 from jaxamp._wire import spans_devices, vary_before_cast
 
@@ -297,9 +298,12 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if not (is_floating(lhs) and is_floating(rhs)):
         return follow(ac, eqn, ins)
     hooked = None
+    scope: contextlib.AbstractContextManager = contextlib.nullcontext()
     if ac.recipe is not None:
         plain = (lhs_role == PLAIN, rhs_role == PLAIN)
         hooked = recipe_operands(ac.recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
+        # A product the recipe's high_precision keeps: named, for precision_report.
+        scope = kept_scope(eqn, ac.recipe_weights)
     if hooked is not None:
         lhs, rhs, matmul = hooked
     else:
@@ -323,7 +327,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if ac.pad_to is not None:
         lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)
     extra = [v for v, _ in rest]
-    out = matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype)
+    with scope:
+        out = matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype)
     if unpad is not None:
         out = unpad(out)
     return [(out, ACTIVATION)]

@@ -6,7 +6,8 @@
   that keys anything by position builds it here, so two tables agree.
 - ``walk(jaxpr)`` visits every equation without running anything, into every
   jaxpr an equation holds, known primitive or not (``precision_report`` and the
-  rule-table checks).
+  rule-table checks); ``walk_scoped(jaxpr)`` also gives each equation's whole
+  name stack, its enclosing equations' included.
 
 The tools that run or rebuild sub-jaxprs enter them through ``_control``.
 """
@@ -20,7 +21,7 @@ import jax.extend.core as jex
 
 from jaxamp._engine import _compat as compat
 
-__all__ = ["sub_path", "walk"]
+__all__ = ["sub_path", "walk", "walk_scoped"]
 
 
 def sub_path(path: tuple, index: int, branch: int = 0) -> tuple:
@@ -40,11 +41,26 @@ def walk(jaxpr: jex.Jaxpr, count: int = 1) -> Iterator[tuple[jex.JaxprEqn, int]]
     Equations in a scan body run ``length`` times per scan; a while body is
     counted once (its trip count is not known statically).
     """
+    for eqn, times, _ in walk_scoped(jaxpr, count):
+        yield eqn, times
+
+
+def walk_scoped(
+    jaxpr: jex.Jaxpr, count: int = 1, scope: str = ""
+) -> Iterator[tuple[jex.JaxprEqn, int, str]]:
+    """As :func:`walk`, with each equation's name stack below its enclosing equations'.
+
+    An equation of a sub-jaxpr (a jit's, a ``custom_vjp``'s) carries the name
+    stack of its own trace only; a ``jax.named_scope`` around the call is on the
+    enclosing equation.
+    """
     for eqn in jaxpr.eqns:
-        yield eqn, count
+        own = str(eqn.source_info.name_stack)
+        stack = "/".join(s for s in (scope, own) if s)
+        yield eqn, count, stack
         inner = count * _trip_count(eqn)
         for sub in compat.sub_closed_jaxprs(eqn):
-            yield from walk(sub.jaxpr, inner)
+            yield from walk_scoped(sub.jaxpr, inner, stack)
 
 
 def _trip_count(eqn: Any) -> int:

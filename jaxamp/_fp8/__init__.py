@@ -1,7 +1,7 @@
 """FP8 and FP4 matmuls with current scaling for autocast (see README.md in this folder)."""
 
 from jaxamp._fp8._fp4_recipe import FP4_PRESETS, Float4Recipe
-from jaxamp._fp8._hook import RECIPES, Recipe, recipe_operands, recipe_weights
+from jaxamp._fp8._hook import RECIPES, Recipe, kept_scope, recipe_operands, recipe_weights
 from jaxamp._fp8._matmul import (
     FP8_PRIMITIVES,
     fp8_matmul,
@@ -29,6 +29,7 @@ __all__ = [
     "fp8_operands",
     "fp8_runs",
     "fp8_weight_amaxes",
+    "kept_scope",
     "names",
     "recipe_operands",
     "recipe_weights",

@@ -7,6 +7,7 @@ per evaluation; each dispatches on the recipe's type to its package's hook.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from typing import Any, NamedTuple
@@ -20,8 +21,16 @@ from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import fp8_operands, fp8_runs, fp8_weight_amaxes
 from jaxamp._fp8._recipe import Float8Recipe
 from jaxamp._fp8._scales import ALL_CONTRACTIONS, WeightAmaxes, weight_operands
+from jaxamp._fp8._scalings import KEPT_SCOPE
 
-__all__ = ["RECIPES", "PrePass", "Recipe", "recipe_operands", "recipe_weights"]
+__all__ = [
+    "RECIPES",
+    "PrePass",
+    "Recipe",
+    "kept_scope",
+    "recipe_operands",
+    "recipe_weights",
+]
 
 Recipe = Float8Recipe | Float4Recipe
 RECIPES = (Float8Recipe, Float4Recipe)
@@ -54,6 +63,18 @@ def recipe_operands(
     if not fp8_runs(eqn):
         return None
     return fp8_operands(recipe, x, w, plain, None if found is None else found.amaxes)
+
+
+def kept_scope(eqn: jex.JaxprEqn, found: PrePass | None) -> contextlib.AbstractContextManager:
+    """The name scope ``KEPT_SCOPE`` for a contraction ``high_precision`` keeps, else none.
+
+    Around the compute-dtype product that autocast runs in its place, forward and
+    backward: ``precision_report`` lists the kept products from it. A name scope
+    changes no value and no dtype.
+    """
+    if found is not None and id(eqn) in found.high_precision:
+        return jax.named_scope(KEPT_SCOPE)
+    return contextlib.nullcontext()
 
 
 def recipe_weights(

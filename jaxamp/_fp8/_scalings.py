@@ -7,7 +7,8 @@ two, and whether JAX has a native GEMM for it; the FP4 formats (``nvfp4``,
 validates against the FP8 entries (``names("fp8")``), ``Float4Recipe``
 against the FP4 ones, ``_quantize.groups_for`` reads the groups, ``_native``
 the native form, and ``precision_report`` reads a product's scaling back from
-its name scope (``scope_name`` / ``scaling_of_scope``).
+its name scope (``scope_name`` / ``scaling_of_scope``), and whether a recipe's
+``high_precision`` kept it in the compute dtype (``KEPT_SCOPE`` / ``kept_in_scope``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = [
+    "KEPT_SCOPE",
     "KINDS",
     "MX_BLOCK",
     "SCALINGS",
@@ -26,6 +28,7 @@ __all__ = [
     "Scaling",
     "block_size",
     "family_of",
+    "kept_in_scope",
     "names",
     "native_scaling",
     "scaling_named",
@@ -39,6 +42,8 @@ MX_BLOCK = 32  # mxfp8/mxfp4: 32 values along the contracting dim share an E8M0 
 NV_BLOCK = 16  # nvfp4: 16 values share an E4M3 scale (16x16 tiles of weights)
 SCOPE_PREFIX = "fp8_"
 FP4_SCOPE_PREFIX = "fp4_"
+# The name scope of a product a recipe's high_precision keeps in the compute dtype.
+KEPT_SCOPE = "kept_high_precision"
 # A scale's format: a float32 number, or an E4M3 number under a float32 per-tensor
 # scale (NVFP4's two levels), or an E8M0 power of two (OCP MX).
 SCALE_FORMATS = ("float32", "float8_e4m3fn", "float8_e8m0fnu")
@@ -223,3 +228,15 @@ def scaling_of_scope(name_stack: str) -> str:
         if base in SCALINGS:
             return base + ("+pow2" if base != name else "")
     return ""
+
+
+_KEPT = re.compile(rf"(?<![\w]){KEPT_SCOPE}(?![\w])")
+
+
+def kept_in_scope(name_stack: str) -> bool:
+    """Whether a name stack holds ``KEPT_SCOPE``: a product ``high_precision`` kept.
+
+    >>> kept_in_scope("transpose(jvp(kept_high_precision))"), kept_in_scope("fp4_nvfp4")
+    (True, False)
+    """
+    return _KEPT.search(name_stack) is not None

@@ -13,6 +13,7 @@ on which model; ``communication_report`` runs on 8 devices in one subprocess
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +289,8 @@ def _communication_worker() -> dict:
         params = _sharded(m.params, mesh, dims)
         batch = _sharded(m.batch, mesh, lambda x: range(min(x.ndim, 1)))
         for spec, gather in GATHER_DTYPES.items():
+            if name not in ONLY_ON.get(spec, (name,)):
+                continue
             report = jaxamp.communication_report(
                 jax.grad(jaxamp.autocast(m.loss, spec)), params, *batch
             )
@@ -304,6 +307,10 @@ def _communication_worker() -> dict:
                 "other_dtypes": sorted(
                     {f"{c.parameter}: {c.dtype.name}" for c in gathers if c.dtype != gather}
                 ),
+                # Bytes per element on the wire, per gathered dtype (float4: half a byte).
+                "bytes_per_element": {
+                    c.dtype.name: c.bytes / math.prod(c.shape) for c in gathers if c.shape
+                },
             }
     return out
 
@@ -311,7 +318,15 @@ def _communication_worker() -> dict:
 GATHER_DTYPES = {
     "mixed_bfloat16": np.dtype(jnp.bfloat16),
     "mixed_float8": np.dtype(jnp.float8_e4m3fn),
+    # Measured, not designed: each device quantizes its own shard of a weight
+    # (NVFP4's per-tensor amax is one all-reduce of the shards' amaxes), and the
+    # SPMD partitioner gathers the E2M1 codes, not the bfloat16 weight. Their
+    # block scales travel as float32 vectors beside them.
+    "mixed_nvfp4": np.dtype(jnp.float4_e2m1fn),
 }
+# Recipes measured on some models only: FP4's compile time on 8 devices is the
+# matrix's largest; the GPT has every kind of weight (embeddings, attention, MLP).
+ONLY_ON = {"mixed_nvfp4": ("gpt",)}
 # Gathers (of more than a small vector) in another dtype than the policy's. On purpose:
 # a norm's scale and bias multiply float32 statistics (float32); under FP8 a bias and an
 # embedding are not matmul operands (the compute dtype). Not yet otherwise: the attention
@@ -331,14 +346,23 @@ OTHER_GATHERS = {
         "params['pos_embedding']: bfloat16",
     ],
 }
+# NVFP4 as FP8: the embeddings and biases are no matmul operands, and the
+# attention output kernel is gathered before its reshape, then quantized.
+OTHER_GATHERS["gpt/mixed_nvfp4"] = OTHER_GATHERS["gpt/mixed_float8"]
 
 
 def test_communication_on_8_devices():
     out = run_with_devices(__file__, 8)
-    assert set(out) == {f"{n}/{s}" for n in SHARDED for s in GATHER_DTYPES}
+    assert set(out) == {
+        f"{n}/{s}" for n in SHARDED for s in GATHER_DTYPES if n in ONLY_ON.get(s, (n,))
+    }
     for key, cell in out.items():
         assert cell["sharded"] > 0 and cell["gathered"] > 0, (key, cell)
         assert cell["other_dtypes"] == OTHER_GATHERS.get(key, []), (key, cell)
+        for dtype, size in cell["bytes_per_element"].items():
+            expected = 0.5 if dtype == "float4_e2m1fn" else np.dtype(getattr(jnp, dtype)).itemsize
+            assert size == expected, (key, dtype, cell)
+    assert out["gpt/mixed_nvfp4"]["bytes_per_element"]["float4_e2m1fn"] == 0.5
 
 
 if __name__ == "__main__":

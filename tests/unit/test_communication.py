@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._communication import _describe
+from jaxamp._communication import _describe, report_from_hlo
 from jaxamp._hlo import hlo_dtype, parse_module
 from jaxamp.testing import assert_gathers_in, assert_reduces_in
 
@@ -101,10 +101,35 @@ def test_reads_each_collective_form_with_its_bytes_and_source():
         ("s32", np.int32),
         ("u8", np.uint8),
         ("pred", np.bool_),
+        ("f4e2m1fn", jnp.float4_e2m1fn),
+        ("f8e8m0fnu", jnp.float8_e8m0fnu),
+        ("s4", jnp.int4),
+        ("u4", jnp.uint4),
     ],
 )
 def test_hlo_dtypes(name, dtype):
     assert hlo_dtype(name) == np.dtype(dtype)
+
+
+def test_a_float4_gather_is_named_and_half_a_byte_per_element():
+    text = """HloModule m, num_partitions=8
+
+ENTRY %main (w: f4e2m1fn[2,16], x: s4[3]) -> f32[] {
+  %w = f4e2m1fn[2,16]{1,0} parameter(0), metadata={op_name="params[\\'w\\']"}
+  %x = s4[3]{0} parameter(1), metadata={op_name="x"}
+  %ag = f4e2m1fn[16,16]{1,0} all-gather(%w), dimensions={0}
+  %agx = s4[24]{0} all-gather(%x), dimensions={0}
+  ROOT %r = f32[] constant(0)
+}
+"""
+    got = [(c.dtype.name, c.shape, c.bytes, c.parameter) for c in _collectives(text)]
+    # 4 bits an element: 256 elements are 128 bytes, 24 are 12 (odd counts round up).
+    assert got == [
+        ("float4_e2m1fn", (16, 16), 128, "params['w']"),
+        ("int4", (24,), 12, "x"),
+    ]
+    report = report_from_hlo(text, param_count=32)
+    assert report.bytes_per_param("all-gather", jnp.float4_e2m1fn) == 128 / 32
 
 
 def test_one_device_program_has_no_collectives_and_counts_floating_params():
