@@ -124,6 +124,45 @@ def summarise(records: list[dict[str, Any]], example: str) -> str:
     return f"## {example}\n\n" + _common.markdown_table(rows, columns)
 
 
+def relative_by_setup(records: list[dict[str, Any]], example: str) -> dict[str, np.ndarray]:
+    """Setup -> each seed's metric relative to the baseline's mean (in %), in ``SETUPS`` order."""
+    runs = [r for r in records if r["example"] == example]
+    base = [r["metric"] for r in runs if r["setup"] == BASELINE]
+    if not base:
+        return {}
+    mean = float(np.mean(base))
+    return {
+        setup: np.array([100 * (r["metric"] / mean - 1) for r in runs if r["setup"] == setup])
+        for setup in SETUPS
+        if any(r["setup"] == setup for r in runs)
+    }
+
+
+def plot(records: list[dict[str, Any]], examples: list[str], path: Path) -> None:
+    """Per example, each setup's metric relative to bfloat16: mean (bar) and each seed (dots)."""
+    shown = [e for e in examples if relative_by_setup(records, e)]
+    if not shown:
+        return
+    plt = _common.use_agg_backend()
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 5), squeeze=False)
+    for ax, example in zip(axes[0], shown, strict=True):
+        rel = relative_by_setup(records, example)
+        names = list(rel)[::-1]  # the first setup on top
+        y = np.arange(len(names))
+        ax.barh(y, [rel[n].mean() for n in names], color="0.75")
+        for i, n in enumerate(names):
+            ax.plot(rel[n], np.full(len(rel[n]), i), "k.", ms=5)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_yticks(y, [n.removeprefix("autocast_") for n in names], fontsize=8)
+        ax.set_xlabel(f"{METRICS[example]}, % vs {BASELINE.removeprefix('autocast_')}")
+        ax.set_title(example)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Low-bit fidelity: mean over seeds (bars) and each seed (dots)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", default="charlm,moe,digits")
@@ -202,6 +241,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             else ""
         ),
     )
+    plot(records, args.examples, args.out / "fp8_fidelity.png")
     print(tables)
     return records
 

@@ -321,6 +321,45 @@ def test_fp8_fidelity_fast_runs_an_fp8_recipe_next_to_bfloat16(tmp_path):
     table = (tmp_path / "fp8_fidelity.md").read_text()
     assert "| autocast_fp8_rowwise | 1 |" in table
     assert len((tmp_path / "fp8_fidelity.jsonl").read_text().splitlines()) == 2
+    assert (tmp_path / "fp8_fidelity.png").stat().st_size > 0
+
+
+def test_fp8_fidelity_fast_runs_fp4_on_both_language_models_and_not_on_digits(tmp_path):
+    fidelity = importlib.import_module("fp8_fidelity")
+    setups = "autocast_bfloat16,autocast_mxfp4_ceil"
+    argv = ["--fast", "--examples", "moe,digits", "--setups", setups, "--out", str(tmp_path)]
+    with jax.numpy_dtype_promotion("standard"):
+        records = fidelity.main(argv)
+    # digits is convolutional: FP4 leaves convolutions in bfloat16, so it runs bfloat16 only.
+    assert [(r["example"], r["setup"]) for r in records] == [
+        ("moe", "autocast_bfloat16"),
+        ("moe", "autocast_mxfp4_ceil"),
+        ("digits", "autocast_bfloat16"),
+    ]
+    assert records[0]["fp4_share"] == 0.0 and 0.5 < records[1]["fp4_share"] < 1.0
+    assert all(math.isfinite(r["metric"]) for r in records)
+    assert "| autocast_mxfp4_ceil | 1 |" in (tmp_path / "fp8_fidelity.md").read_text()
+
+
+def test_charlm_fp4_rules_keep_the_head_and_the_last_block_of_the_moe_model():
+    args = charlm.parse_args(["--fast", "--layers", "2", "--experts", "4"])
+    dims = charlm.sizes(args)
+    sample = charlm.windows(charlm.encode(charlm.load_text(5000)), np.zeros(2, np.int64), 17)
+    counts = {}
+    for setup in ("autocast_nvfp4", "autocast_nvfp4_keep_last", "autocast_nvfp4_keep_head"):
+        model, loss = charlm.build(setup, dims, 0)
+        with jax.numpy_dtype_promotion("standard"):
+            report = importlib.import_module("_common").matmul_report(loss, model, sample)
+        assert {m.primitive for m in report.matmuls if m.is_fp4} == {
+            "dot_general",
+            "ragged_dot_general",
+        }
+        counts[setup] = (len(report.matmuls), len(report.kept))
+    # 2 blocks of q, k, v, out and 2 experts' ragged products, and the head: 3 products
+    # each, plus attention's activation products and the routers (kept in bfloat16).
+    assert counts["autocast_nvfp4"][1] == 0
+    assert counts["autocast_nvfp4_keep_head"][1] == 3
+    assert counts["autocast_nvfp4_keep_last"][1] == 3 + 3 * 7
 
 
 def test_loss_scale_plot_draws_setups_with_the_same_constant_scale_as_one_line():
