@@ -1,0 +1,138 @@
+"""numerics_report on FP4 recipes: each quantization is one op with its amax, scales,
+flushed and clamped fractions, checked against loops over the blocks in NumPy
+(tests/fp4_reference.py).
+
+The data plant each block's amax (a power of two times a factor in [1, 2),
+some with more bits than E4M3 holds, so NVFP4 clamps too),
+with in every block a zero (never flushed), a value 1% of the block's amax
+(flushed: it scales below E2M1's 0.25), an all-zero block (left out of the
+block scales) and a block 1e-9 of the tensor's amax (NVFP4's E4M3 block scale
+of it is 0: the whole block is flushed).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxamp
+from tests import fp4_reference as ref
+
+M, K, N = 32, 64, 64  # tokens, contracting, outputs: whole blocks of 16 and 32
+FORMATS = ("nvfp4", "mxfp4")
+FIELDS = ("amax", "tensor_scale", "block_scale_min", "block_scale_max")
+
+
+def planted(seed: int, shape: tuple[int, int], block: int = 16) -> np.ndarray:
+    """``shape`` float32 values, bfloat16-exact, with a planted amax per 1 x ``block``."""
+    rng = np.random.default_rng(seed)
+    rows, cols = shape
+    base = rng.integers(-15, 16, size=shape).astype(np.float32)
+    base[:, ::block] = 16.0  # the block's amax: 16 times its planted scale
+    base[:, 1::block] = 0.0  # a zero: not flushed
+    base[:, 2::block] = 0.15625  # 1% of the amax: flushed in both formats
+    power = rng.integers(-6, 3, size=(rows, cols // block)).astype(np.float32)
+    # 1.0625 and 1.8125 have more bits than E4M3's mantissa: NVFP4's block scale rounds
+    # down and the block's amax is clamped.
+    factor = rng.choice([1.0, 1.0625, 1.25, 1.5, 1.8125], power.shape)
+    scale = np.repeat(np.exp2(power) * factor, block, 1)
+    x = (base * scale.astype(np.float32) / 16).astype(np.float32)
+    x[0, :block] = 0.0  # an all-zero block
+    x[1, :block] *= np.float32(2.0**-30)  # NVFP4's block scale underflows E4M3
+    # The tensor's amax (the rest is below 2**2 * 1.8125): NVFP4's S_enc = 2688 / 10.5
+    # is 256, so its decode scales are exact, however XLA arranges the divisions.
+    x[2, 0] = 10.5
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _recipe(fmt: str, **kwargs) -> jaxamp.Float4Recipe:
+    return jaxamp.Float4Recipe(fmt, hadamard=False, stochastic_rounding=False, **kwargs)
+
+
+def _summary(op: jaxamp.OpStats) -> tuple:
+    flushed, clamped = op.underflow_fraction, op.saturated_fraction
+    return (op.shape[1], *(getattr(op, f) for f in FIELDS), flushed, clamped)
+
+
+def _expected(v: np.ndarray, fmt: str, rows: int = 1) -> tuple:
+    s = ref.statistics(v, fmt, rows)
+    return (v.shape[0], *(s[f] for f in FIELDS), s["flushed"], s["clamped"])
+
+
+def _fp4_ops(report: jaxamp.NumericsReport) -> list[jaxamp.OpStats]:
+    """Every op with a float8 or float4 value: the quantizations, and nothing else."""
+    small = [op for op in report.ops if jnp.finfo(op.dtype).bits <= 8]
+    assert all(op.quantization is not None for op in small), small
+    assert all(op.dtype == np.dtype(ml_dtypes.float4_e2m1fn) for op in small), small
+    assert report.fp4_quantizations == small
+    return small
+
+
+def _inputs():
+    x, w = planted(0, (M, K)), planted(1, (N, K)).T  # w [K, N]: blocks along K
+    t = planted(2, (M, N))  # the output gradient of sum(out * t)
+    return {"w": jnp.asarray(w)}, jnp.asarray(x), jnp.asarray(t)
+
+
+def _loss(p, x, t):
+    return jnp.sum((x @ p["w"]) * t)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_quantization_is_one_op_with_the_reference_statistics(fmt):
+    params, x, t = _inputs()
+    report = jaxamp.numerics_report(_loss, params, x, t, policy=_recipe(fmt))
+    ops = _fp4_ops(report)
+    assert {op.quantization for op in ops} == {fmt}
+    tiles = 16 if fmt == "nvfp4" else 1  # NVFP4's weights in 16x16 tiles
+    want = [_expected(np.asarray(x), fmt), _expected(np.asarray(params["w"]).T, fmt, tiles)]
+    assert sorted(map(_summary, ops)) == sorted(want)
+    x_op = next(op for op in ops if op.shape[1] == M)
+    assert x_op.amax == float(np.max(np.abs(np.asarray(x))))
+    # The planted data flush and clamp values: the fractions are not trivially 0.
+    assert x_op.underflow_fraction > 0 and x_op.saturated_fraction > 0
+    assert x_op.lost_fraction == x_op.underflow_fraction
+    if fmt == "nvfp4":  # the 2**-30 block's E4M3 scale is 0: the whole block flushed
+        assert x_op.block_scale_min == 0.0 and x_op.underflow_fraction >= 16 / x_op.shape[1] / K
+    else:
+        assert x_op.tensor_scale == 1.0
+        assert np.log2(x_op.block_scale_min) == np.round(np.log2(x_op.block_scale_min))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gradient_quantizations_are_one_op_each(fmt):
+    params, x, t = _inputs()
+    report = jaxamp.numerics_report(
+        _loss, params, x, t, policy=_recipe(fmt), grad=True, loss_scale=1.0
+    )
+    ops = _fp4_ops(report)
+    w = np.asarray(params["w"])
+    x, t = np.asarray(x), np.asarray(t)
+    # forward: x, w^T; dgrad: the output gradient t (blocks along N) and, without
+    # NVFP4's tiles, w (blocks along N; the gradient of x is dead code, and its
+    # quantization of w, from no cotangent, is labelled forward); wgrad: t^T and
+    # x^T, blocks along the tokens.
+    cotangents = [_expected(t, fmt), _expected(t.T, fmt)]
+    rest = [_expected(x, fmt), _expected(w.T, fmt, 16 if fmt == "nvfp4" else 1)]
+    rest.append(_expected(x.T, fmt))
+    if fmt == "mxfp4":
+        rest.append(_expected(w, fmt))
+    assert len(ops) == len(cotangents) + len(rest)
+    assert sorted(_summary(op) for op in ops if op.scaled) == sorted(cotangents)
+    assert sorted(_summary(op) for op in ops if not op.scaled) == sorted(rest)
+    assert {op.phase for op in ops if op.scaled} == {"backward"}
+    # A quantization scales by its own amax, not the loss scale: nothing to suggest.
+    assert report.suggested_loss_scale is None
+
+
+def test_the_report_table_lists_each_fp4_quantization():
+    params, x, t = _inputs()
+    report = jaxamp.numerics_report(_loss, params, x, t, policy="mixed_nvfp4")
+    text = str(report)
+    assert "FP4 quantizations:" in text
+    rows = text.split("FP4 quantizations:")[1].splitlines()[2:4]
+    assert len(rows) == 2 and all(" nvfp4 " in row for row in rows)
+    x_op = next(op for op in report.fp4_quantizations if op.shape[1] == M)
+    assert f"{x_op.amax:.3g}" in text and f"{x_op.saturated_fraction:.1%}" in text
