@@ -70,9 +70,10 @@ def _experts(recipe: Float4Recipe, w, rows: int) -> Quantized:
 
 
 def _rows_product(qx: Quantized, qw: Quantized, seg: Segments, sizes, out_dtype, fmt: str):
-    with jax.named_scope(quantize_scope(fmt)):  # moves the codes: a step of their quantization
+    scope = quantize_scope(fmt)  # moves of the codes: steps of their quantization
+    with jax.named_scope(scope):
         x_codes, x_decode = qx.codes[:, 0], qx.decode[:, 0]
-    return scaled_rows(x_codes, x_decode, qw.codes, qw.decode, seg, sizes, out_dtype, F32)
+    return scaled_rows(x_codes, x_decode, qw.codes, qw.decode, seg, sizes, out_dtype, F32, scope)
 
 
 def _token_tiles(v, seg: Segments, tiles: Tiles, n: int) -> jax.Array:

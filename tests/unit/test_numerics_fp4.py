@@ -12,6 +12,7 @@ of it is 0: the whole block is flushed).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -136,3 +137,29 @@ def test_the_report_table_lists_each_fp4_quantization():
     assert len(rows) == 2 and all(" nvfp4 " in row for row in rows)
     x_op = next(op for op in report.fp4_quantizations if op.shape[1] == M)
     assert f"{x_op.amax:.3g}" in text and f"{x_op.saturated_fraction:.1%}" in text
+
+
+@pytest.mark.parametrize(("fmt", "quantizations"), [("nvfp4", 5), ("mxfp4", 6)])
+def test_ragged_quantizations_are_one_op_each(fmt, quantizations):
+    # Mixture of experts: the rows and each expert's weights quantized once each (the
+    # ragged product's views of the codes are steps), S_enc per expert group.
+    x = planted(3, (M, K))
+    w = np.stack([planted(4, (N, K)).T, planted(5, (N, K)).T / 4])  # [G, K, N]
+    sizes = jnp.array([M // 2, M // 2], jnp.int32)
+
+    def loss(p, x):
+        return jnp.sum(jax.lax.ragged_dot(x, p["w"], sizes) ** 2)
+
+    report = jaxamp.numerics_report(
+        loss, {"w": jnp.asarray(w)}, jnp.asarray(x), policy=_recipe(fmt), grad=True
+    )
+    ops = _fp4_ops(report)
+    assert len(ops) == quantizations and {op.quantization for op in ops} == {fmt}
+    rows = next(op for op in ops if op.phase == "forward" and op.shape[0] == M)
+    assert rows.amax == float(np.max(np.abs(x)))
+    # The smallest S_enc over the groups is that of the largest group amax: x's.
+    want = np.float32(2688) / np.float32(np.max(np.abs(x))) if fmt == "nvfp4" else 1.0
+    assert rows.tensor_scale == float(want)
+    halves = [ref.statistics(x[: M // 2], fmt), ref.statistics(x[M // 2 :], fmt)]
+    assert rows.underflow_fraction == (halves[0]["flushed"] + halves[1]["flushed"]) / 2
+    assert rows.saturated_fraction == (halves[0]["clamped"] + halves[1]["clamped"]) / 2
