@@ -3,11 +3,15 @@ flushed and clamped fractions, checked against loops over the blocks in NumPy
 (tests/fp4_reference.py).
 
 The data plant each block's amax (a power of two times a factor in [1, 2),
-some with more bits than E4M3 holds, so NVFP4 clamps too),
-with in every block a zero (never flushed), a value 1% of the block's amax
-(flushed: it scales below E2M1's 0.25), an all-zero block (left out of the
-block scales) and a block 1e-9 of the tensor's amax (NVFP4's E4M3 block scale
-of it is 0: the whole block is flushed).
+some with more bits than E4M3 holds, so NVFP4 clamps too), with in every
+block a zero (never flushed) and a value 1% of the block's amax (flushed: it
+scales below E2M1's 0.25), an all-zero block (left out of the block scales),
+a block 2**-30 of its planted amax (NVFP4's E4M3 block scale of it is 0: the
+whole block is flushed) and a tensor amax of 10.5, whose NVFP4 tensor scale
+256 is a power of two: XLA may arrange the divisions of the scales
+differently from NumPy (a value one ulp off a rounding boundary of E2M1),
+which an exact power of two makes moot. Dense (emulated and, where this jax
+lowers it, native) and ragged products, forward and gradient.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp._fp8 import _native
 from tests import fp4_reference as ref
 
 M, K, N = 32, 64, 64  # tokens, contracting, outputs: whole blocks of 16 and 32
@@ -163,3 +168,20 @@ def test_ragged_quantizations_are_one_op_each(fmt, quantizations):
     halves = [ref.statistics(x[: M // 2], fmt), ref.statistics(x[M // 2 :], fmt)]
     assert rows.underflow_fraction == (halves[0]["flushed"] + halves[1]["flushed"]) / 2
     assert rows.saturated_fraction == (halves[0]["clamped"] + halves[1]["clamped"]) / 2
+
+
+@pytest.mark.skipif(
+    not _native.native_lowers(jax.default_backend()),
+    reason="this jax has no lowering of jax.nn.scaled_matmul for this backend",
+)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_gemm_quantizations_are_the_emulated_ones(fmt):
+    # jax.nn.scaled_matmul takes the codes and the block scales cast to E4M3/E8M0:
+    # those casts and moves are steps, and the statistics are the emulated form's.
+    params, x, t = _inputs()
+    reports = [
+        jaxamp.numerics_report(_loss, params, x, t, policy=_recipe(fmt, gemm=g), grad=True)
+        for g in ("native", "emulated")
+    ]
+    native, emulated = (sorted(map(_summary, _fp4_ops(r))) for r in reports)
+    assert native == emulated and len(native) == (5 if fmt == "nvfp4" else 6)
