@@ -119,3 +119,52 @@ def gradients(x, w, g, fmt, *, hadamard_on=True, weight_2d=True, ceil=False, pla
         g_t, x_t = hadamard(g_t, n), hadamard(x_t, n)
     dw = dequantized(x_t, fmt, ceil=ceil) @ dequantized(g_t, fmt, ceil=ceil).T
     return dx[:m, :k], dw[:k]
+
+
+def _block_scales(blk, fmt, s_enc, ceil):
+    """(stored block scale, encode) of one block: NVFP4's E4M3 ``s_b``, MXFP4's ``X``."""
+    bamax = F32(np.max(np.abs(blk)))
+    if fmt == "nvfp4":
+        s_b = F32(np.minimum(bamax * F32(s_enc / F32(6)), F32(448)).astype(E4M3).astype(F32))
+        decode = F32(s_b / s_enc)
+        return s_b, F32_MAX if decode == 0 else min(F32(F32(1) / decode), F32_MAX)
+    s = _mx_scale(float(bamax), ceil)
+    return F32(s), F32(1 / s)
+
+
+def statistics(x, fmt, rows=1, *, ceil=False):
+    """What numerics_report says of quantizing ``x [R, C]`` (blocks along C), by loops.
+
+    A dict: ``amax`` (of ``x``), ``tensor_scale`` (NVFP4's ``S_enc``, 1 under
+    MXFP4), ``block_scale_min``/``block_scale_max`` (the stored block scales of
+    the blocks holding a nonzero value), ``flushed`` (the fraction of nonzero
+    values that dequantize to 0: the zero code or a zero block scale) and
+    ``clamped`` (the fraction whose scaled value is beyond 6 in a block with a
+    nonzero scale), over the zero-padded ``x``.
+    """
+    n = BLOCKS[fmt]
+    x = _padded(x, rows, n)
+    amax = F32(np.max(np.abs(x)))
+    s_enc = F32(1)
+    if fmt == "nvfp4" and amax != 0:
+        s_enc = min(F32(F32(2688) / amax), F32_MAX)
+    scales, flushed, clamped = [], 0, 0
+    for r in range(0, x.shape[0], rows):
+        for c in range(0, x.shape[1], n):
+            blk = x[r : r + rows, c : c + n]
+            s_b, encode = _block_scales(blk, fmt, s_enc, ceil)
+            y = blk * F32(encode)
+            codes = np.clip(y, -6, 6).astype(E2M1).astype(F32)
+            nonzero = blk != 0
+            if nonzero.any():
+                scales.append(float(s_b))
+            flushed += int(np.sum(nonzero & ((codes == 0) | (s_b == 0))))
+            clamped += int(np.sum((np.abs(y) > 6) & (s_b != 0)))
+    return {
+        "amax": float(amax),
+        "tensor_scale": float(s_enc),
+        "block_scale_min": min(scales),
+        "block_scale_max": max(scales),
+        "flushed": flushed / x.size,
+        "clamped": clamped / x.size,
+    }

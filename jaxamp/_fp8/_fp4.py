@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxamp._casting import F32, QUANTIZE_SCOPE
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import dot_dims
 from jaxamp._fp8 import _native
+from jaxamp._fp8._fp4_facts import Facts, mark, quantize_scope
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
 from jaxamp._fp8._ragged import ragged_form
@@ -116,12 +117,15 @@ def _stochastic_e2m1(y: jax.Array, bits: jax.Array) -> jax.Array:
     return jnp.copysign(jnp.where(up, lo + step, lo), y)
 
 
-def _encode(y: jax.Array, seed: int | None) -> jax.Array:
-    """E2M1 codes of ``y`` saturated to +-6: nearest even, or stochastic with ``seed``."""
-    y = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
+def _encode(y: jax.Array, seed: int | None, facts: Callable[[], Facts]) -> jax.Array:
+    """E2M1 codes of ``y`` saturated to +-6: nearest even, or stochastic with ``seed``.
+
+    ``facts``: what ``numerics_report`` measures of the quantization (``_fp4_facts.mark``).
+    """
+    rounded = jnp.clip(y, -E2M1_MAX, E2M1_MAX)
     if seed is not None:
-        y = _stochastic_e2m1(y, rounding_bits(y, seed))
-    return y.astype(E2M1)
+        rounded = _stochastic_e2m1(rounded, rounding_bits(rounded, seed))
+    return mark(rounded, facts).astype(E2M1)
 
 
 def _nvfp4_scales(tiles: jax.Array, amax: jax.Array | None) -> tuple[jax.Array, ...]:
@@ -188,7 +192,7 @@ def quantize4(
     rounding (None: nearest even). ``tensor_amax``: NVFP4's amax for
     ``S_enc``, broadcastable to ``[B, 1, 1, 1, 1]`` (None: the whole ``x``'s).
     """
-    with jax.named_scope(QUANTIZE_SCOPE):
+    with jax.named_scope(quantize_scope(fmt)):
         b, r, c = x.shape
         n = block_size(fmt)
         tiles = x.astype(F32).reshape(b, r // rows, rows, c // n, n)
@@ -196,8 +200,6 @@ def quantize4(
             encode, decode, block, tensor = _nvfp4_scales(tiles, tensor_amax)
         else:
             encode, decode, block, tensor = _mxfp4_scales(tiles, ceil)
-        # Reshaped before the cast: numerics_report sees one float4 result per operand.
-        codes = _encode((tiles * encode).reshape(b, r, c // n, n), seed)
         # An inf or NaN in a block makes its scale NaN, so the product is NaN too: E2M1
         # has neither, and a saturated code would hide an overflow from loss scaling.
         finite = jnp.isfinite(jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True))
@@ -206,6 +208,17 @@ def quantize4(
             scale = jnp.where(finite, scale, np.float32(np.nan))
             return jnp.broadcast_to(scale[..., 0], (b, r // rows, rows, c // n)).reshape(b, r, -1)
 
+        # Reshaped before the cast: numerics_report sees one float4 result per operand.
+        y = (tiles * encode).reshape(b, r, c // n, n)
+
+        def facts() -> Facts:
+            def each(v):
+                return jnp.broadcast_to(v, tiles.shape).reshape(y.shape)
+
+            nan = np.float32(np.nan)
+            return Facts(each(tiles), y, each(jnp.where(finite, block, nan)), each(tensor))
+
+        codes = _encode(y, seed, facts)
         return Quantized(codes, per_row(decode), per_row(block), jnp.asarray(tensor, F32))
 
 
@@ -248,13 +261,10 @@ def _native_product(a: Quantized, b: Quantized, out_dtype: np.dtype, fmt: str) -
     scales divide the float32 result.
     """
     scale_dtype = np.dtype(getattr(ml_dtypes, SCALINGS[fmt].scale_format))
-    out = jax.nn.scaled_matmul(
-        a.codes.reshape(*a.codes.shape[:2], -1),
-        b.codes.reshape(*b.codes.shape[:2], -1),
-        a.block.astype(scale_dtype),
-        b.block.astype(scale_dtype),
-        preferred_element_type=F32,
-    )
+    with jax.named_scope(quantize_scope(fmt)):  # steps of the quantizations: not measured
+        operands = [q.codes.reshape(*q.codes.shape[:2], -1) for q in (a, b)]
+        scales = [q.block.astype(scale_dtype) for q in (a, b)]
+    out = jax.nn.scaled_matmul(*operands, *scales, preferred_element_type=F32)
     out = compat.vary_like(out, a.codes, b.codes)
     return (out / (a.tensor * b.tensor)).astype(out_dtype)
 
@@ -298,7 +308,11 @@ def _canonical_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple):
         with jax.named_scope(scope):
             # dgrad da[B, P, C] = g[B, P, Q] . b over Q.
             qg = quantize4(g, fmt, 1, ceil=ceil, seed=sr)
-            qb_t = _transposed_tiles(b, n) if weight_tiles else quantize4(_t(b), fmt, 1, ceil=ceil)
+            if weight_tiles:  # the forward's codes, moved: a step of that quantization
+                with jax.named_scope(quantize_scope(fmt)):
+                    qb_t = _transposed_tiles(b, n)
+            else:
+                qb_t = quantize4(_t(b), fmt, 1, ceil=ceil)
             da = _product(qg, qb_t, F32, native)
             # wgrad db[B, Q, C] = g^T[B, Q, P] . a^T[B, C, P] over P, the token dim.
             g_t, a_t = _t(g), _t(a)

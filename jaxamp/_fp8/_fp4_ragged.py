@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxamp._casting import F32
 from jaxamp._fp8._fp4 import Quantized, _product, _transposed_tiles, hadamard, quantize4
+from jaxamp._fp8._fp4_facts import quantize_scope
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._ragged import ragged_apply, scaled_rows
 from jaxamp._fp8._ragged_quantize import Segments, Tiles, segments
@@ -68,9 +69,11 @@ def _experts(recipe: Float4Recipe, w, rows: int) -> Quantized:
     return quantize4(w, recipe.format, rows, ceil=ceil, tensor_amax=amax)
 
 
-def _rows_product(qx: Quantized, qw: Quantized, seg: Segments, sizes, out_dtype) -> jax.Array:
-    x_codes, x_decode = qx.codes[:, 0], qx.decode[:, 0]
-    return scaled_rows(x_codes, x_decode, qw.codes, qw.decode, seg, sizes, out_dtype, F32)
+def _rows_product(qx: Quantized, qw: Quantized, seg: Segments, sizes, out_dtype, fmt: str):
+    scope = quantize_scope(fmt)  # moves of the codes: steps of their quantization
+    with jax.named_scope(scope):
+        x_codes, x_decode = qx.codes[:, 0], qx.decode[:, 0]
+    return scaled_rows(x_codes, x_decode, qw.codes, qw.decode, seg, sizes, out_dtype, F32, scope)
 
 
 def _token_tiles(v, seg: Segments, tiles: Tiles, n: int) -> jax.Array:
@@ -109,7 +112,8 @@ def _ragged_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple) -> C
         with jax.named_scope(scope):
             seg = segments(sizes, x.shape[0])
             qw = _experts(recipe, w, n if weight_tiles else 1)
-            out = _rows_product(_rows(recipe, x, seg, None), qw, seg, sizes, recipe.compute_dtype)
+            qx = _rows(recipe, x, seg, None)
+            out = _rows_product(qx, qw, seg, sizes, recipe.compute_dtype, recipe.format)
             return out, (x, qw if weight_tiles else w, sizes)
 
     @jax.custom_vjp
@@ -122,8 +126,12 @@ def _ragged_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple) -> C
             seg = segments(sizes, x.shape[0])
             # dgrad dx[M, C] = g[M, Q] . w[group] over Q.
             qg = _rows(recipe, g, seg, sr)
-            qw_t = _transposed_tiles(w, n) if weight_tiles else _experts(recipe, _swap(w), 1)
-            dx = _rows_product(qg, qw_t, seg, sizes, F32)
+            if weight_tiles:  # the forward's codes, moved: a step of that quantization
+                with jax.named_scope(quantize_scope(recipe.format)):
+                    qw_t = _transposed_tiles(w, n)
+            else:
+                qw_t = _experts(recipe, _swap(w), 1)
+            dx = _rows_product(qg, qw_t, seg, sizes, F32, recipe.format)
             dw = _wgrad(recipe, g, x, seg, sr)
         return dx.astype(dtypes[0]), dw.astype(dtypes[1]), None
 

@@ -29,6 +29,7 @@ format); everything above is shared. ``fp8_spec`` is FP8's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
@@ -111,22 +112,26 @@ def _rows_product(spec, x, x_kind, x_dtype, w, w_kind, w_dtype, seg, sizes, out_
     return scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate)
 
 
-def scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate):
-    """The product of quantized ``x [M, KB, kb]`` and ``w [G, Q, KB, kb]``, rescaled."""
+def scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate, scope=None):
+    """The product of quantized ``x [M, KB, kb]`` and ``w [G, Q, KB, kb]``, rescaled.
+
+    ``scope``: a name scope for the moves of the quantized operands (FP4's
+    quantization scope, so that ``numerics_report`` counts them as its steps).
+    """
     # Each row's expert's inverse scales (rows past the last group: masked below).
     inv_w = inv_w[jnp.minimum(seg.ids, qw.shape[0] - 1)]  # [M, Q, KB]
-    if qx.shape[1] == 1:
-        out = jax.lax.ragged_dot_general(
-            qx[:, 0], qw[:, :, 0], sizes, _ROWS, preferred_element_type=accumulate
-        )
+    blocked = qx.shape[1] != 1
+    with jax.named_scope(scope) if scope else contextlib.nullcontext():
+        if blocked:
+            lhs, rhs = jnp.swapaxes(qx, 0, 1), jnp.swapaxes(qw, 1, 2)
+        else:
+            lhs, rhs = qx[:, 0], qw[:, :, 0]
+    if not blocked:
+        out = jax.lax.ragged_dot_general(lhs, rhs, sizes, _ROWS, preferred_element_type=accumulate)
         out = out.astype(F32) * inv_x * inv_w[:, :, 0]
     else:
         partial = jax.lax.ragged_dot_general(
-            jnp.swapaxes(qx, 0, 1),
-            jnp.swapaxes(qw, 1, 2),
-            sizes,
-            _ROWS_BLOCKED,
-            preferred_element_type=F32,
+            lhs, rhs, sizes, _ROWS_BLOCKED, preferred_element_type=F32
         )  # [KB, M, Q]
         x_scale = jnp.transpose(inv_x)[:, :, None]
         w_scale = jnp.transpose(inv_w, (2, 0, 1))

@@ -53,8 +53,8 @@ class _Walk(NamedTuple):
 def site_graph(closed: jex.ClosedJaxpr, sites: Iterable[tuple] | None = None) -> SiteGraph:
     """The site graph of ``closed``, keyed as the catalog keys its sites (``site_key``).
 
-    ``sites``: the catalog's keys; a floating output that is not one (a step of an
-    FP8 quantization, ``_sites.is_quantize_step``) passes on the sites it read.
+    ``sites``: the catalog's keys; a floating output that is not one (a step of a
+    quantization, ``_sites.is_quantize_step``) passes on the sites it read.
     """
     walk = _Walk({}, None if sites is None else frozenset(sites))
     outs = _flow(closed.jaxpr, [_NONE] * len(closed.jaxpr.invars), (), walk)

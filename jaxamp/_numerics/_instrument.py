@@ -31,11 +31,13 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._engine._visit import sub_path
+from jaxamp._fp8._fp4_facts import Facts
 from jaxamp._numerics._shadow import Val, is_narrow, local_twins, materialize, shadow_outputs
 from jaxamp._numerics._sites import (
     PER_OPERAND,
     Site,
     in_quantization,
+    is_facts,
     is_quantize_step,
     site_key,
 )
@@ -142,15 +144,18 @@ class Recorder:
         scope: Scope,
         clock: Any,
         reached: set,
-        quantizing: bool = False,
+        quantizing: str | None = None,
         materialize: bool = False,
+        facts: dict | None = None,
     ):
         self.sites = sites
         self.scope = scope
         self.clock = (clock, 0)
         self.reached = reached  # the sites measured so far (shared with nested bodies)
-        self.quantizing = quantizing  # inside an FP8 quantization (``_sites.in_quantization``)
+        self.quantizing = quantizing  # inside a quantization (``_sites.in_quantization``)
         self.materialize = materialize  # each measured value computed once (``measure``)
+        # id of the value an FP4 cast reads -> (it, its quantization's ``Facts``): ``unmeasured``
+        self.facts = {} if facts is None else facts
 
     def now(self) -> Any:
         """The clock as one (traced) int32."""
@@ -159,7 +164,9 @@ class Recorder:
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
         scope = Scope(keys, packed, iteration)
-        return Recorder(self.sites, scope, clock, self.reached, self.quantizing, self.materialize)
+        return Recorder(
+            self.sites, scope, clock, self.reached, self.quantizing, self.materialize, self.facts
+        )
 
     def keys_under(self, prefix: tuple) -> list[tuple]:
         return [key for key in self.sites if key[0][: len(prefix)] == prefix]
@@ -203,7 +210,7 @@ class Recorder:
                 vals.append(Val(out, all_finite_flag(out), shadow))
                 continue
             moved = _moved_from(eqn, ins, outs, k, self.scope)
-            output = None if moved else Output(out, shadow, locals_[k])
+            output = None if moved else Output(out, shadow, locals_[k], self.facts_of(eqn, ins))
             ref = self.scope.add(key, output, moved, inputs, self.clock)
             self.reached.add(key)
             vals.append(Val(out, ref, shadow, ref))
@@ -211,16 +218,29 @@ class Recorder:
         return vals
 
     def unmeasured(self, eqn, ins: Sequence[Val]) -> list[Val]:
-        """A step of an FP8 quantization (``_sites.is_quantize_step``): run as written,
-        not measured. Its outputs count as finite when its inputs are (the float8
-        output is measured, and blamed for an inf/NaN the steps make), and their
-        shadow restarts from the value: the quantization's float8 output is compared
+        """A step of a quantization (``_sites.is_quantize_step``): run as written,
+        not measured. Its outputs count as finite when its inputs are (the float8 or
+        float4 output is measured, and blamed for an inf/NaN the steps make), and their
+        shadow restarts from the value: the quantization's output is compared
         with the scaled operand it rounds, without computing the steps again in
         float32 (BENCHMARKS.md, "numerics_report: the first call, compile included")."""
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
+        if is_facts(eqn):  # (rounded, *facts): kept for the float4 cast that reads ``rounded``
+            # The value is kept with them: alive, its id is not reused by another.
+            self.facts[id(outs[0])] = (outs[0], Facts(*outs[1:]))
         flags = AllFinite(tuple(flag for v in ins for flag in self.flags_of(v)))
         self.clock = (self.clock[0], self.clock[1] + 1)
         return [Val(out, flags) for out in outs]
+
+    def facts_of(self, eqn, ins: Sequence[Val]) -> Facts | None:
+        """The ``Facts`` of the FP4 quantization whose float4 cast ``eqn`` is, else None
+        (another op, or a quantization traced outside the report: a jitted function's
+        body that JAX had traced before, measured as a plain cast)."""
+        kind = in_quantization(eqn, self.quantizing)
+        if kind is None or kind == "fp8" or not ins:
+            return None
+        value, facts = self.facts.get(id(ins[0].value), (None, None))
+        return facts if value is ins[0].value else None
 
     def flags_of(self, val: Val) -> list[Any]:
         """``val.finite`` as flags this scope can use: a ``Ref`` of another scope (a

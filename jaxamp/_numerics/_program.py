@@ -23,6 +23,7 @@ from jaxamp._autocast import autocast
 from jaxamp._casting import is_floating
 from jaxamp._checks import check_callable
 from jaxamp._engine._trace import flatten_call, is_array
+from jaxamp._fp8._fp4_facts import observing
 from jaxamp._numerics._compiled import (
     Compiled,
     cache_key,
@@ -71,7 +72,9 @@ class NumericsProgram:
             )
         else:
             program, phases = self.flat.call, None
-        closed = jax.make_jaxpr(program)(*inputs)
+        # FP4 quantizations pass what the report measures of them (``_fp4_facts``).
+        with observing():
+            closed = jax.make_jaxpr(program)(*inputs)
         tainted = [False] * len(inputs)
         if self.grad:
             tainted[-1] = True  # the cotangent seed: what depends on it is the backward pass

@@ -41,6 +41,7 @@ from jaxamp._casting import QUANTIZE_SCOPE
 from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 from jaxamp._engine._visit import sub_path
+from jaxamp._fp8._fp4_facts import FACTS_SCOPE, quantization_of
 
 __all__ = [
     "PER_OPERAND",
@@ -48,6 +49,7 @@ __all__ = [
     "Site",
     "catalog",
     "in_quantization",
+    "is_facts",
     "is_quantize_step",
     "site_key",
     "user_frame",
@@ -76,6 +78,7 @@ class Site(NamedTuple):
     shape: tuple[int, ...]
     in_loop: bool
     internal: bool = False  # jaxamp's own values (autocast's operand barriers)
+    quantization: str | None = None  # the output of a quantization: "fp8", "nvfp4", "mxfp4"
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -154,7 +157,7 @@ class _Where(NamedTuple):
     live_outs: list[int]  # per output of this jaxpr: the rank of the strongest phase needing it
     dead: str | None = None  # the phase of dead code (None: by its data flow)
     caller: str | None = None  # the user line of the equation whose body this is
-    quantizing: bool = False  # inside an FP8 quantization (``in_quantization``)
+    quantizing: str | None = None  # inside a quantization (``in_quantization``)
 
 
 def _live_eqns(jaxpr: jex.Jaxpr, live_outs: list[int]) -> list[list[int]]:
@@ -226,6 +229,7 @@ def _visit_op(eqn, ins, where: _Where, index, sites) -> list[bool]:
                     tuple(var.aval.shape),
                     where.in_loop,
                     _is_internal(eqn),
+                    _quantization(eqn, where.quantizing),
                 )
             )
     return scaled
@@ -246,26 +250,58 @@ def _is_internal(eqn: jex.JaxprEqn) -> bool:
     )
 
 
-def in_quantization(eqn: jex.JaxprEqn, quantizing: bool) -> bool:
-    """Whether ``eqn`` is part of an FP8 quantization (``QUANTIZE_SCOPE``).
+def in_quantization(eqn: jex.JaxprEqn, quantizing: str | None) -> str | None:
+    """The quantization ``eqn`` is part of (``QUANTIZE_SCOPE``): ``"fp8"``, an FP4
+    format (``"nvfp4"``, ``"mxfp4"``), or None.
 
-    ``quantizing``: the body holding ``eqn`` is (the name scope is on the call
-    of a jitted helper such as ``jnp.clip``, not on the equations of its body).
+    ``quantizing``: that of the body holding ``eqn`` (the name scope is on the
+    call of a jitted helper such as ``jnp.clip``, not on the equations of its body).
     """
-    return quantizing or QUANTIZE_SCOPE in str(eqn.source_info.name_stack)
+    if quantizing is not None:
+        return quantizing
+    stack = str(eqn.source_info.name_stack)
+    if QUANTIZE_SCOPE not in stack:
+        return None
+    return quantization_of(stack) or "fp8"
 
 
-def is_quantize_step(eqn: jex.JaxprEqn, quantizing: bool) -> bool:
-    """A step of an FP8 quantization other than its float8 result: not a site.
+def is_quantize_step(eqn: jex.JaxprEqn, quantizing: str | None) -> bool:
+    """A step of a quantization other than its result: not a site.
 
-    A quantization is measured as one op, by its float8 output (magnitude,
-    saturation, what fell below float8's range); its amax, scale and clipping are
-    not measured. On the FP8 transformer of BENCHMARKS.md they were about two
-    thirds of the sites, and so of the instrumented program's compile.
+    A quantization is measured as one op, its result: an FP8 quantization's
+    float8 output (magnitude, saturation, what fell below float8's range), an
+    FP4 quantization's cast to ``float4_e2m1fn``, measured with its ``Facts``
+    (``jaxamp/_fp8/_fp4_facts.py``: the input's amax, the scales, what was
+    flushed or clamped). Its amax, scales and clipping are not sites. On the FP8
+    transformer of BENCHMARKS.md they were about two thirds of the sites, and
+    so of the instrumented program's compile.
     """
-    if not in_quantization(eqn, quantizing):
+    kind = in_quantization(eqn, quantizing)
+    if kind is None:
         return False
-    return not any(_is_float8_var(var) for var in eqn.outvars)
+    if kind == "fp8":
+        return not any(_is_float8_var(var) for var in eqn.outvars)
+    # FP4: the E4M3 block-scale cast, the moved codes and the facts are steps.
+    is_cast = eqn.primitive.name == "convert_element_type"
+    return not (is_cast and any(_is_float4_var(var) for var in eqn.outvars))
+
+
+def _quantization(eqn: jex.JaxprEqn, quantizing: str | None) -> str | None:
+    """The kind of quantization whose result ``eqn``'s output is (its cast), else None."""
+    if eqn.primitive.name != "convert_element_type":
+        return None  # a float8 result moved inside its quantization is not another one
+    return in_quantization(eqn, quantizing)
+
+
+def is_facts(eqn: jex.JaxprEqn) -> bool:
+    """The barrier that passes an FP4 quantization's ``Facts`` to the report."""
+    return eqn.primitive.name == "optimization_barrier" and FACTS_SCOPE in str(
+        eqn.source_info.name_stack
+    )
+
+
+def _is_float4_var(var) -> bool:
+    return _is_floating_var(var) and jnp.finfo(var.aval.dtype).bits == 4
 
 
 def _is_float8_var(var) -> bool:

@@ -11,8 +11,9 @@ arrays (float32 and int32) that loops carry and the program returns
 (``pack``, ``unpack_row``), and the :class:`jaxamp.OpStats` field each one
 fills (``field``, ``report``).
 
->>> [s.name for s in STATISTICS]
-['max_abs', 'max_abs_float32', 'nonfinite', 'underflow', 'lost', 'saturated']
+>>> [s.name for s in STATISTICS]  # doctest: +NORMALIZE_WHITESPACE
+['max_abs', 'max_abs_float32', 'nonfinite', 'underflow', 'lost', 'saturated', 'amax',
+ 'tensor_scale', 'block_scale_min', 'block_scale_max']
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._casting import is_narrow
+from jaxamp._numerics import _quantized
 
 __all__ = [
     "EMPTY",
@@ -60,11 +62,13 @@ def _normal32(x: Any) -> Any:
 class Output(NamedTuple):
     """One measured output: its value, its float32 twin along the whole program
     (None: equal to the value) and this op alone in float32 on its real inputs
-    (None: not computed), see ``_shadow``."""
+    (None: not computed), see ``_shadow``; for the float4 cast of an FP4
+    quantization, its ``_fp4_facts.Facts`` (measured by ``_quantized.Elements``)."""
 
     out: Any
     shadow: Any = None
     local: Any = None
+    quantized: Any = None
 
 
 def _column(values: Sequence[Any], dtype: Any) -> Any:
@@ -171,6 +175,9 @@ class Elements:
             return None  # all zero: only float8 casts saturate
         return (self.magnitude >= self.float8_max).astype(jnp.int32)
 
+    # An FP4 quantization's own statistics (``_quantized.Elements``): none here.
+    amax = tensor_scale = block_scale_min = block_scale_max = None
+
 
 def _same(value: Any, repeat: Any) -> Any:
     return value
@@ -182,6 +189,12 @@ def _repeated(value: Any, repeat: Any) -> Any:
 
 def _none(value: Any, repeat: Any) -> Any:
     return np.int32(0)
+
+
+def _optional(value: Any, size: int) -> float | None:
+    """A smallest scale taken over no value (its initial inf) is None."""
+    value = float(value)
+    return value if value < np.inf else None
 
 
 def _fraction(count: Any, size: int) -> float:
@@ -250,6 +263,38 @@ STATISTICS = (
         "saturated_fraction",
         _fraction,
     ),
+    # An FP4 quantization's input and scales (``_quantized.Elements``; initial elsewhere).
+    Statistic("amax", _F32, lambda e: e.amax, jnp.maximum, 0, _same, "amax", _as_float),
+    Statistic(
+        "tensor_scale",
+        _F32,
+        lambda e: e.tensor_scale,
+        jnp.minimum,
+        np.inf,
+        _same,
+        "tensor_scale",
+        _optional,
+    ),
+    Statistic(
+        "block_scale_min",
+        _F32,
+        lambda e: e.block_scale_min,
+        jnp.minimum,
+        np.inf,
+        _same,
+        "block_scale_min",
+        _optional,
+    ),
+    Statistic(
+        "block_scale_max",
+        _F32,
+        lambda e: e.block_scale_max,
+        jnp.maximum,
+        0,
+        _same,
+        "block_scale_max",
+        _as_float,
+    ),
 )
 _INDEX = {s.name: i for i, s in enumerate(STATISTICS)}
 NONFINITE = _INDEX["nonfinite"]
@@ -259,13 +304,18 @@ if len(_FLOATS) + len(_INTS) != len(STATISTICS):
     raise TypeError("every numerics statistic is float32 or int32")
 
 
-def reduce_output(out: Any, shadow: Any = None, local: Any = None) -> tuple[Any, ...]:
+def reduce_output(
+    out: Any, shadow: Any = None, local: Any = None, quantized: Any = None
+) -> tuple[Any, ...]:
     """Every statistic of one output, in ``STATISTICS`` order (``reduce_rows`` of one)."""
-    return tuple(column[0] for column in reduce_rows(Elements([Output(out, shadow, local)])))
+    output = Output(out, shadow, local, quantized)
+    elements = (Elements if quantized is None else _quantized.Elements)([output])
+    return tuple(column[0] for column in reduce_rows(elements))
 
 
-def reduce_rows(elements: Elements) -> tuple[Any, ...]:
-    """Per statistic, in ``STATISTICS`` order, a vector over the rows of ``elements``.
+def reduce_rows(elements: Any) -> tuple[Any, ...]:
+    """Per statistic, in ``STATISTICS`` order, a vector over the rows of ``elements``
+    (an ``Elements``, or FP4 quantizations' ``_quantized.Elements``).
 
     One variadic reduction over the elements of every row: XLA fuses the maps of
     every statistic into one kernel. A map of None (all zero) is not reduced.

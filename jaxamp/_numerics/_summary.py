@@ -50,6 +50,7 @@ def _op_stats(site: Site, stat) -> tuple[OpStats, int]:
     executions, first_iter = int(stat.executions), int(stat.first_nonfinite_iteration)
     size = math.prod(site.shape) * executions
     measured = {s.field: s.report(v, size) for s, v in zip(STATISTICS, stat.measured, strict=True)}
+    _fp4_fields(site, measured)
     op = OpStats(
         primitive=site.primitive,
         source=site.source,
@@ -61,9 +62,22 @@ def _op_stats(site: Site, stat) -> tuple[OpStats, int]:
         executions=executions,
         first_nonfinite_iteration=first_iter if site.in_loop and first_iter >= 0 else None,
         internal=site.internal,
+        quantization=site.quantization,
         **measured,
     )
     return op, int(stat.origin_clock)
+
+
+_FP4_FIELDS = ("amax", "tensor_scale", "block_scale_min", "block_scale_max")
+
+
+def _fp4_fields(site: Site, measured: dict) -> None:
+    """None where not measured: any op but an FP4 quantization traced by the report
+    (one JAX had traced before is measured as a plain cast: no tensor scale)."""
+    if site.quantization in (None, "fp8") or measured["tensor_scale"] is None:
+        measured.update(dict.fromkeys(_FP4_FIELDS))
+    elif measured["block_scale_min"] is None:  # every block was zero
+        measured["block_scale_max"] = None
 
 
 def _narrow_range(dtype) -> bool:
@@ -78,7 +92,10 @@ def _largest_loss_scale(ops: list[OpStats], scale: float | None) -> float | None
     scale ``s`` reaches ``m * S / s`` at scale ``S``; ``m`` is the float32 twin's
     magnitude, so an op that already overflowed still gives its true size.
     """
-    backward = [op for op in ops if op.scaled and _narrow_range(op.dtype)]
+    # A quantization's output is scaled by its own amax, not by the loss scale.
+    backward = [
+        op for op in ops if op.scaled and op.quantization is None and _narrow_range(op.dtype)
+    ]
     if scale is None or not backward:
         return None  # no float16 cotangent: loss scaling is not needed
     limits = [

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._numerics import _quantized
 from jaxamp._numerics._stats import (
     EMPTY,
     NEVER,
@@ -157,14 +158,16 @@ class Scope:
 
     def _statistics(self) -> list[Any]:
         """Per statistic a vector over the entries (moved entries from their source)."""
-        measured = [i for i, e in enumerate(self.entries) if e.output is not None]
-        groups: dict[int, list[int]] = collections.defaultdict(list)
-        for i in measured:
-            groups[self.entries[i].output.out.size].append(i)
+        measured = {i: e.output for i, e in enumerate(self.entries) if e.output is not None}
+        # FP4 quantizations apart: their rows map their ``Facts`` (``_quantized``).
+        groups: dict[tuple, list[int]] = collections.defaultdict(list)
+        for i, output in measured.items():
+            groups[output.out.size, output.quantized is not None].append(i)
         order, parts = [], []
-        for members in groups.values():
+        for (_, quantized), members in groups.items():
             order += members
-            parts.append(reduce_rows(Elements([self.entries[i].output for i in members])))
+            rows = [measured[i] for i in members]
+            parts.append(reduce_rows((_quantized.Elements if quantized else Elements)(rows)))
         position = {entry: p for p, entry in enumerate(order)}
         source = np.asarray([position[e.source] for e in self.entries], np.int32)
         repeat = np.asarray([e.repeat for e in self.entries], np.int32)

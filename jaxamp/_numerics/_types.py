@@ -53,13 +53,37 @@ class OpStats:
         matmul's operands (it moves values): in ``ops``, left out of the
         tables, never ``first_nonfinite``. autocast computes no value it then
         discards: a saturating cast chooses in float32 and casts once. (The
-        steps of an FP8 quantization, such as the scale of an all-zero group,
-        are not measured at all: the quantization is one op, its float8
-        output.)
+        steps of a quantization, such as the scale of an all-zero group or
+        NVFP4's E4M3 block scales, are not measured at all: the quantization
+        is one op, its float8 or float4 output.)
       saturated_fraction: for a float8 output, the fraction of values at the
         dtype's largest finite magnitude (``448`` in ``float8_e4m3fn``): clipped
         there by FP8 autocast's saturating cast, or scaled exactly onto it (the
-        amax of each group under current scaling); 0.0 for other dtypes.
+        amax of each group under current scaling). For an FP4 quantization, the
+        fraction of finite inputs clamped at the largest code: scaled beyond
+        6 (``max_abs_float32``, the scaled input's largest magnitude, is then
+        above 6). 0.0 for other dtypes.
+      quantization: the output of a quantization, measured as one op:
+        ``"fp8"`` (an FP8 recipe's float8 operand), ``"nvfp4"`` or ``"mxfp4"``
+        (a ``Float4Recipe``'s ``float4_e2m1fn`` codes); None for other ops.
+        For an FP4 quantization ``max_abs`` is the largest code (at most 6),
+        ``underflow_fraction`` and ``lost_fraction`` the fraction of values
+        that were finite and nonzero and are the zero code (flushed: E2M1's
+        0.5 is a regular code, not a loss), and ``nonfinite`` counts the
+        values whose block scale is NaN (a block holding an inf/NaN).
+      amax: for an FP4 quantization, its input's largest finite magnitude,
+        before any scale (the largest over executions); else None.
+      tensor_scale: for an FP4 quantization, the per-tensor scale ``S_enc``
+        that NVFP4 multiplies by before its block scales
+        (``448 * 6 / amax``; the smallest over expert groups and executions),
+        1.0 under MXFP4; else None. A value is ``code * block / S_enc``.
+      block_scale_min: for an FP4 quantization, the smallest block scale as
+        its format stores it, over the blocks that hold a nonzero value:
+        NVFP4's E4M3 ``s_b`` (one per 16 values, in ``[0, 448]``; 0 means a
+        whole nonzero block was flushed), MXFP4's E8M0 power of two (one per
+        32 values); None when every block is zero or the op is no FP4
+        quantization.
+      block_scale_max: the largest such block scale (None as the smallest).
     """
 
     primitive: str
@@ -78,6 +102,11 @@ class OpStats:
     lost_fraction: float = 0.0
     internal: bool = False
     saturated_fraction: float = 0.0
+    quantization: str | None = None
+    amax: float | None = None
+    tensor_scale: float | None = None
+    block_scale_min: float | None = None
+    block_scale_max: float | None = None
 
     def _row(self) -> tuple[str, ...]:
         it = self.first_nonfinite_iteration
@@ -92,8 +121,36 @@ class OpStats:
             f"{self.nonfinite}" + (f" (iter {it})" if it is not None else ""),
         )
 
+    def _fp4_row(self) -> tuple[str, ...]:
+        return (
+            _short_path(self.source),
+            f"{self.quantization}",
+            self.phase,
+            f"{list(self.shape)}",
+            f"{self.amax:.3g}",
+            f"{self.tensor_scale:.3g}",
+            _scale_range(self.block_scale_min, self.block_scale_max),
+            f"{self.underflow_fraction:.1%}",
+            f"{self.saturated_fraction:.1%}",
+        )
+
 
 _HEADER = ("source", "op", "phase", "value", "max_abs", "max/dtype max", "underflow", "inf/NaN")
+_FP4_HEADER = (
+    "source",
+    "format",
+    "phase",
+    "codes",
+    "amax",
+    "tensor scale",
+    "block scales",
+    "flushed",
+    "clamped",
+)
+
+
+def _scale_range(low: float | None, high: float | None) -> str:
+    return "-" if low is None or high is None else f"{low:.3g}..{high:.3g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +197,11 @@ class NumericsReport:
         flushed = [op for op in self._visible() if op.underflow_fraction > 0]
         return sorted(flushed, key=lambda op: -op.underflow_fraction)[:n]
 
+    @property
+    def fp4_quantizations(self) -> list[OpStats]:
+        """The FP4 quantizations measured with their amax and scales, in program order."""
+        return [op for op in self.ops if op.quantization in _FP4 and op.tensor_scale is not None]
+
     def _visible(self) -> list[OpStats]:
         return [op for op in self.ops if not op.internal]
 
@@ -174,6 +236,7 @@ class NumericsReport:
         flushed = self.most_underflow()
         lines.append("most underflow:" if flushed else "most underflow: none")
         lines += _table(flushed) if flushed else []
+        lines += _fp4_table(self.fp4_quantizations)
         if self.suggested_loss_scale is not None:
             lines.append(
                 f"suggested loss scale: {_power(self.suggested_loss_scale)} "
@@ -188,6 +251,16 @@ class NumericsReport:
 
 
 SAFETY_FACTOR = 8
+_FP4 = ("nvfp4", "mxfp4")
+
+
+def _fp4_table(ops: list[OpStats]) -> list[str]:
+    """The FP4 quantizations, one row each (none: no lines)."""
+    if not ops:
+        return []
+    more = f" (first {_ROWS} of {len(ops)})" if len(ops) > _ROWS else ""
+    rows = [op._fp4_row() for op in ops[:_ROWS]]
+    return [f"FP4 quantizations{more}:", *_aligned(_FP4_HEADER, rows)]
 
 
 def _no_origin(bad: int, bad_inputs: bool, absorbed: bool) -> str:
@@ -214,6 +287,10 @@ def _short_path(source: str) -> str:
 
 
 def _table(ops: list[OpStats]) -> list[str]:
-    rows = [_HEADER, *(op._row() for op in ops)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
+    return _aligned(_HEADER, [op._row() for op in ops])
+
+
+def _aligned(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    rows = [header, *body]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]

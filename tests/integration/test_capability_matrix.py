@@ -190,6 +190,42 @@ def test_numerics_monitor_in_a_jitted_step(name):
     assert _finite(params)
 
 
+# MXFP4 compiles a few times slower here: with -m slow (its report: tests/unit).
+@pytest.mark.parametrize(
+    "spec", ["mixed_nvfp4", pytest.param("mixed_mxfp4", marks=pytest.mark.slow)]
+)
+def test_numerics_monitor_fp4_in_a_jitted_step(spec):
+    # Each FP4 quantization is one op, its float4 codes, with the input's amax and the
+    # scales, measured inside the caller's jitted step.
+    m = zoo.model("nnx_mlp")
+    seen = []
+    monitor = jaxamp.numerics_monitor(
+        m.loss, every=2, policy=spec, grad=True, callback=lambda s, r: seen.append((s, r))
+    )
+    loss = jaxamp.autocast(zoo.closed_loss(m), spec)
+
+    @jit
+    def step(i, params):
+        monitor(i, params, *m.batch)
+        grads = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+    params = m.params
+    for i in range(3):
+        params = step(i, params)
+    jax.effects_barrier()
+    assert [s for s, _ in seen] == [0, 2]
+    for _, report in seen:
+        assert report.first_nonfinite is None
+        small = [op for op in report.ops if jnp.finfo(op.dtype).bits <= 8]
+        assert small and small == report.fp4_quantizations
+        assert {op.quantization for op in small} == {spec.removeprefix("mixed_")}
+        assert {op.phase for op in small} >= {"forward", "backward"}
+        assert all(op.amax > 0 and op.tensor_scale > 0 for op in small)
+        assert all(0 < op.block_scale_max <= 448 for op in small)
+    assert _finite(params)
+
+
 def _loss_scaled_trajectory(loss, params, loss_scale, steps: int = 3):
     tx = jaxamp.loss_scaling(optax.sgd(0.05), loss_scale)
 
