@@ -11,6 +11,10 @@ Writes to ``docs/figures/``:
   ``--probe-every`` steps which share of the non-zero float32 gradient entries
   become exactly zero when the backward pass runs in float16 without loss
   scaling, and with the run's dynamic loss scale.
+- ``low_bit_fidelity.png``: the committed results of ``examples/fp8_fidelity.py``
+  (``examples/results/fp8_fidelity.jsonl``) drawn by that example's ``plot``:
+  each FP8 and FP4 setup's validation loss relative to bfloat16, per seed.
+  ``--fidelity-only`` redraws just this one.
 
 Deterministic on a given machine (fixed seeds); takes a few seconds on a CPU.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import jax
@@ -311,17 +316,32 @@ def plot_underflow(record, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_fidelity(path: Path) -> None:
+    """``examples/fp8_fidelity.py``'s figure of its committed results."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(examples))
+    import fp8_fidelity  # the examples folder is not a package: import by path
+
+    log = examples / "results" / "fp8_fidelity.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines() if line]
+    fp8_fidelity.plot(records, ["charlm", "moe"], path)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--probe-every", type=int, default=25)
     parser.add_argument("--out", type=Path, default=FIGURES)
+    parser.add_argument("--fidelity-only", action="store_true")
     args = parser.parse_args(argv)
 
     import matplotlib
 
     matplotlib.use("Agg")
     args.out.mkdir(parents=True, exist_ok=True)
+    plot_fidelity(args.out / "low_bit_fidelity.png")
+    if args.fidelity_only:
+        return
     facts = format_facts()
     plot_bit_layouts(facts, args.out / "bit_layouts.png")
     plot_range_precision(facts, args.out / "range_precision.png")

@@ -206,8 +206,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     log = args.out / "fp8_fidelity.jsonl"
     records = []
     if args.from_log is not None:
+        latest: dict[tuple, dict[str, Any]] = {}
         for path in args.from_log:
-            records += [json.loads(line) for line in path.read_text().splitlines() if line]
+            for line in path.read_text().splitlines():
+                if line:
+                    record = json.loads(line)
+                    latest[(record["example"], record["setup"], record["seed"])] = record
+        records = list(latest.values())
         args.examples = [e for e in RUNS if any(r["example"] == e for r in records)]
         log.write_text("".join(json.dumps(r) + "\n" for r in records))
     for example in args.examples if args.from_log is None else ():
@@ -235,8 +240,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "(docs/fp4.md). "
         + (
             "Tables joined (--from-log) from the jsonl logs of runs of this script with the "
-            "same settings, one per example (`--examples charlm`, `--examples digits`), "
-            "run side by side."
+            "same settings, one per example (`--examples charlm`, `--examples moe`, "
+            "`--examples digits`), run side by side; where a log repeats a run (same "
+            "example, setup and seed) the later record counts."
             if args.from_log is not None
             else ""
         ),
