@@ -31,11 +31,10 @@ GEMMS = ("emulated", "native")  # the forms of a recipe with a native GEMM (gemm
 SMOKE_STEP_VARIANTS = ("bf16", "fp8_tensorwise", "fp4_nvfp4_emulated")
 
 
-def _recipe(family: str, scaling: str, gemm: str | None) -> Any:
-    kwargs = {} if gemm is None else {"gemm": gemm}
+def _recipe(family: str, scaling: str, gemm: str = "auto") -> Any:
     if family == "fp8":
-        return jaxamp.Float8Recipe(scaling, **kwargs)
-    return jaxamp.Float4Recipe(format=scaling, **kwargs)
+        return jaxamp.Float8Recipe(scaling, gemm=gemm)
+    return jaxamp.Float4Recipe(format=scaling, gemm=gemm)
 
 
 def low_bit_variants() -> dict[str, Any]:
@@ -47,7 +46,7 @@ def low_bit_variants() -> dict[str, Any]:
             if family == "fp4" or SCALINGS[s].native:
                 variants.update({f"{family}_{s}_{g}": _recipe(family, s, g) for g in GEMMS})
             else:
-                variants[f"{family}_{s}"] = _recipe(family, s, None)
+                variants[f"{family}_{s}"] = _recipe(family, s)
     return variants
 
 

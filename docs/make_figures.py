@@ -22,6 +22,7 @@ Deterministic on a given machine (fixed seeds); takes a few seconds on a CPU.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -320,7 +321,7 @@ def plot_fidelity(path: Path) -> None:
     """``examples/fp8_fidelity.py``'s figure of its committed results."""
     examples = Path(__file__).resolve().parents[1] / "examples"
     sys.path.insert(0, str(examples))
-    import fp8_fidelity  # the examples folder is not a package: import by path
+    fp8_fidelity = importlib.import_module("fp8_fidelity")  # examples/ is not a package
 
     log = examples / "results" / "fp8_fidelity.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines() if line]

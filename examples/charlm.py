@@ -169,8 +169,9 @@ class Block(nnx.Module):
             # Each expert half the dense MLP: top-2 routing does the dense model's FLOPs.
             self.experts = _moe.MoEFeedForward(width, mlp // 2, experts, rngs, **dtypes)
         else:
-            self.up = nnx.Linear(width, mlp, rngs=rngs, **dtypes)
-            self.down = nnx.Linear(mlp, width, rngs=rngs, **dtypes)
+            dtype, param_dtype = dtypes["dtype"], dtypes["param_dtype"]
+            self.up = nnx.Linear(width, mlp, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+            self.down = nnx.Linear(mlp, width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attention(self.norm1(x), mask=mask)
