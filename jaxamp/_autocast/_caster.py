@@ -26,7 +26,8 @@ from jaxamp._autocast._sharded import (
     gathered_parameter,
     gathers_a_parameter,
     narrow_lookup,
-    wide_gradient_of,
+    vary_before_cast,
+    wide_broadcast,
 )
 from jaxamp._autocast._values import (
     ACTIVATION,
@@ -42,7 +43,7 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import Recipe, kept_scope, recipe_operands
 from jaxamp._policy import Policy
-from jaxamp._wire import spans_devices, vary_before_cast
+from jaxamp._wire._warnings import spans_devices
 
 __all__ = [
     "KIND_RULES",
@@ -141,9 +142,8 @@ class Autocaster:
         """A plain operand brought to ``dtype`` (saturating), to meet an activation.
 
         One that an elementwise op broadcasts against a batch (a bias, a
-        position embedding) is broadcast here, by ``_wide_gradient_of``: the
-        sum over the batch that is its gradient then runs in ``reduce_dtype``,
-        where the SPMD partitioner sums a data-parallel batch's shards.
+        position embedding) is broadcast by ``_sharded.wide_broadcast``, its
+        gradient summed in ``reduce_dtype``.
         """
         shape = eqn.outvars[0].aval.shape
         broadcast = (
@@ -153,11 +153,7 @@ class Autocaster:
         )
         if not broadcast or isinstance(value, np.ndarray) or value.dtype.itemsize <= dtype.itemsize:
             return saturate_finite(value, dtype)
-        dims = tuple(range(len(shape)))
-        value = vary_before_cast(value, self.policy.reduce_dtype, *like)
-        return wide_gradient_of(
-            self, value, lambda a: jax.lax.broadcast_in_dim(a, shape, dims), [], dtype
-        )
+        return wide_broadcast(self, value, dtype, shape, like)
 
     def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
         """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
@@ -339,7 +335,7 @@ def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> A
 
     Inside ``shard_map``, a parameter (PLAIN) that meets a varying operand is
     marked varying before its cast, so that its gradient's ``psum`` runs in
-    ``reduce_dtype``'s width (``_wire.vary_before_cast``).
+    ``reduce_dtype``'s width (``_sharded.vary_before_cast``).
 
     A PINNED operand is float32 on purpose (log-probabilities, a loop
     accumulator) and may hold finite values beyond float16's range that a mask

@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxamp._casting import F32, QUANTIZE_SCOPE
+from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import dot_dims
 from jaxamp._fp8 import _native
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
 from jaxamp._fp8._ragged import ragged_form
-from jaxamp._fp8._scalings import SCALINGS, block_size, scope_name
+from jaxamp._fp8._scalings import QUANTIZE_SCOPE, SCALINGS, block_size, scope_name
 
 __all__ = [
     "HADAMARD_SIGNS",

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from jaxamp._reporting import text_table
+
 __all__ = ["NumericsReport", "OpStats"]
 
 _ROWS = 10  # ops per table in str(report); the full list is report.ops
@@ -214,6 +216,4 @@ def _short_path(source: str) -> str:
 
 
 def _table(ops: list[OpStats]) -> list[str]:
-    rows = [_HEADER, *(op._row() for op in ops)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return text_table([_HEADER, *(op._row() for op in ops)], indent="  ", strip=False)
