@@ -25,8 +25,9 @@ from jaxamp._autocast._matmul import padded, run_matmul
 from jaxamp._autocast._sharded import (
     gathered_parameter,
     gathers_a_parameter,
+    mark_parameter,
     narrow_lookup,
-    vary_before_cast,
+    product_dtypes,
     wide_broadcast,
 )
 from jaxamp._autocast._values import (
@@ -43,7 +44,6 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import Recipe, kept_scope, recipe_operands
 from jaxamp._policy import Policy
-from jaxamp._wire._warnings import spans_devices
 
 __all__ = [
     "KIND_RULES",
@@ -181,21 +181,6 @@ class Autocaster:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
         return ACTIVATION if dtype == self.compute_dtype else PINNED
 
-    def gradient_dtype(self, role: int, partitioned: bool = False) -> np.dtype:
-        """The result dtype of the backward product giving a contraction operand's cotangent.
-
-        Under SPMD partitioning the partitioner reduces a cotangent across
-        devices right after that product, in its result dtype. The gradient
-        of a parameter (a PLAIN operand) comes out in ``policy.reduce_dtype``
-        (float32 unless it is 16-bit); an activation's in the compute dtype
-        where the program spans several devices (``partitioned``: Megatron's
-        16-bit partial sums), else float32 (accumulation, then a cast).
-        """
-        reduce = np.dtype(self.policy.reduce_dtype)
-        if role == PLAIN:
-            return reduce if reduce.itemsize < 4 else F32
-        return self.compute_dtype if partitioned else F32
-
     # -- helpers for the higher-order rules ---------------------------------------
 
     def function_of(self, closed: jex.ClosedJaxpr, prefix: Sequence[tuple], roles, box: list):
@@ -303,9 +288,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if hooked is not None:
         lhs, rhs, matmul = hooked
     else:
-        # Across devices, a product's partial sums are reduced in its result dtype:
-        # the compute dtype there, float32 (then a cast) on one device.
-        partitioned = spans_devices(lhs, rhs)
+        # What the partitioner reduces, in which dtype: read before the operands move.
+        grad_dtypes, result_dtype = product_dtypes(ac, lhs, rhs, (lhs_role, rhs_role))
         lhs, rhs = (
             _contraction_operand(ac, lhs, lhs_role, rhs),
             _contraction_operand(ac, rhs, rhs_role, lhs),
@@ -313,11 +297,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         matmul = functools.partial(
             run_matmul,
             transposable=ac.transposable,
-            grad_dtypes=(
-                ac.gradient_dtype(lhs_role, partitioned),
-                ac.gradient_dtype(rhs_role, partitioned),
-            ),
-            result_dtype=ac.compute_dtype if partitioned else F32,
+            grad_dtypes=grad_dtypes,
+            result_dtype=result_dtype,
         )
     unpad = None
     if ac.pad_to is not None:
@@ -334,8 +315,7 @@ def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> A
     """A contraction operand in the compute dtype.
 
     Inside ``shard_map``, a parameter (PLAIN) that meets a varying operand is
-    marked varying before its cast, so that its gradient's ``psum`` runs in
-    ``reduce_dtype``'s width (``_sharded.vary_before_cast``).
+    marked varying before its cast (``_sharded.mark_parameter``).
 
     A PINNED operand is float32 on purpose (log-probabilities, a loop
     accumulator) and may hold finite values beyond float16's range that a mask
@@ -346,9 +326,7 @@ def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> A
     dtype = ac.compute_dtype
     if role == PINNED:
         return saturate_finite(value, dtype)
-    if role == PLAIN and is_floating(value) and dtype.itemsize < np.dtype(value.dtype).itemsize:
-        value = vary_before_cast(value, ac.policy.reduce_dtype, other)
-    return cast(value, dtype)
+    return cast(mark_parameter(ac, value, role, other), dtype)
 
 
 # Rule kind of AUTOCAST_RULES -> rule, for the first-order kinds ("recurse" names a

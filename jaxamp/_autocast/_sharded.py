@@ -21,18 +21,21 @@ import jax.extend.core as jex
 import numpy as np
 
 from jaxamp._autocast._values import ACTIVATION, PLAIN, saturate_finite
-from jaxamp._casting import is_floating
+from jaxamp._casting import F32, is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._policy import Policy
 from jaxamp._wire._gather import all_gather_cast, vary_before_cast
+from jaxamp._wire._warnings import spans_devices
 
 __all__ = [
     "Caster",
     "gathered_parameter",
     "gathers_a_parameter",
+    "gradient_dtype",
+    "mark_parameter",
     "narrow_lookup",
     "narrowed_linear",
-    "vary_before_cast",
+    "product_dtypes",
     "wide_broadcast",
     "wide_gradient_of",
 ]
@@ -96,6 +99,48 @@ def wide_gradient_of(
     if ac.transposable or np.dtype(ac.policy.reduce_dtype).itemsize < x.dtype.itemsize:
         return fn(saturate_finite(x, dtype), *rest)
     return narrowed_linear(fn, x, dtype, *rest)
+
+
+def product_dtypes(
+    ac: Caster, lhs: Any, rhs: Any, roles: tuple[int, int]
+) -> tuple[tuple[np.dtype, np.dtype], np.dtype]:
+    """The result dtypes of a product's two backward products and of the product itself.
+
+    Across devices, a product's partial sums are reduced in its result dtype:
+    the compute dtype there, float32 (then a cast) on one device.
+    """
+    partitioned = spans_devices(lhs, rhs)
+    grads = (gradient_dtype(ac, roles[0], partitioned), gradient_dtype(ac, roles[1], partitioned))
+    return grads, ac.compute_dtype if partitioned else F32
+
+
+def gradient_dtype(ac: Caster, role: int, partitioned: bool = False) -> np.dtype:
+    """The result dtype of the backward product giving a contraction operand's cotangent.
+
+    Under SPMD partitioning the partitioner reduces a cotangent across
+    devices right after that product, in its result dtype. The gradient
+    of a parameter (a PLAIN operand) comes out in ``policy.reduce_dtype``
+    (float32 unless it is 16-bit); an activation's in the compute dtype
+    where the program spans several devices (``partitioned``: Megatron's
+    16-bit partial sums), else float32 (accumulation, then a cast).
+    """
+    reduce = np.dtype(ac.policy.reduce_dtype)
+    if role == PLAIN:
+        return reduce if reduce.itemsize < 4 else F32
+    return ac.compute_dtype if partitioned else F32
+
+
+def mark_parameter(ac: Caster, value: Any, role: int, other: Any) -> Any:
+    """A contraction operand, a parameter marked varying like ``other`` before its cast.
+
+    Inside ``shard_map``, so that its gradient's ``psum`` runs in
+    ``reduce_dtype``'s width (:func:`vary_before_cast`); anything else as is.
+    """
+    if role != PLAIN or not is_floating(value):
+        return value
+    if ac.compute_dtype.itemsize < np.dtype(value.dtype).itemsize:
+        return vary_before_cast(value, ac.policy.reduce_dtype, other)
+    return value
 
 
 def wide_broadcast(ac: Caster, value: Any, dtype: np.dtype, shape: tuple, like: list) -> Any:
