@@ -53,7 +53,7 @@ import jaxamp
 from benchmarks import _harness
 from benchmarks._models import GPT, GPTConfig, gpt_loss_fn
 from benchmarks._sharding import LAYOUTS, TP_SPECS, batch_spec, param_specs
-from jaxamp._communication import report_from_hlo
+from jaxamp._wire._collectives import report_from_hlo
 
 NAME = "comm_bytes"
 N_DEVICES = 8

@@ -17,7 +17,6 @@ import importlib.util as _importlib_util
 from jaxamp._alignment import align_dim, pad_to_multiple, tensor_core_multiple
 from jaxamp._autocast import AUTOCAST_RULES, AutocastContext, UnknownPrimitiveWarning, autocast
 from jaxamp._casting import cast_floating
-from jaxamp._communication import Collective, CommunicationReport, communication_report
 from jaxamp._fp8 import Float4Recipe, Float8Recipe
 from jaxamp._loss_scaling import (
     AccumulationState,
@@ -36,11 +35,15 @@ from jaxamp._loss_scaling import (
     select_tree,
 )
 from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer, stochastic_round
+from jaxamp._matmuls import precision_report
 from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics_report
 from jaxamp._policy import Policy, get_policy, policy_for_device
-from jaxamp._report import MatmulInfo, PrecisionReport, precision_report
+from jaxamp._precision_report import MatmulInfo, PrecisionReport
 from jaxamp._version import __version__
-from jaxamp._wire import WireDtypeWarning, gather_params
+from jaxamp._wire._collectives import communication_report
+from jaxamp._wire._communication_report import Collective, CommunicationReport
+from jaxamp._wire._gather import gather_params
+from jaxamp._wire._warnings import WireDtypeWarning
 
 if _importlib_util.find_spec("flax") is not None:
     # Eager, so that a checkpoint restores the scale's configuration whether or not

@@ -13,7 +13,6 @@ from jaxamp._engine._trace import ARRAY_TYPES
 
 __all__ = [
     "F32",
-    "QUANTIZE_SCOPE",
     "canonical_float_dtype",
     "cast_floating",
     "is_floating",
@@ -23,9 +22,6 @@ __all__ = [
 
 # float32: what jaxamp accumulates, widens and keeps precision-sensitive values in.
 F32 = np.dtype(np.float32)
-# The name scope of an FP8 quantization (amax, scale, scaled saturating cast):
-# numerics_report measures it as one op, its float8 output, not each of its steps.
-QUANTIZE_SCOPE = "jaxamp_quantize"
 
 # Leaves whose dtype casting may change: arrays (the engine's ARRAY_TYPES, tracers
 # included) and the avals of jax.eval_shape.

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxamp._casting import DTYPE_ALIASES, canonical_float_dtype, cast_floating
+from jaxamp._wire._warnings import warn_unhonoured_wire_dtypes
 
 __all__ = ["Policy", "get_policy", "policy_for_device"]
 
@@ -103,8 +104,6 @@ class Policy:
         from ``gather_dtype`` or ``reduce_dtype`` it warns
         (:class:`jaxamp.WireDtypeWarning`); see the policies page, "Across devices".
         """
-        from jaxamp._wire import warn_unhonoured_wire_dtypes  # _wire imports this module
-
         warn_unhonoured_wire_dtypes(self, jax.tree.leaves(tree))
         return cast_floating(tree, self.compute_dtype)
 

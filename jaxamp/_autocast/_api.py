@@ -21,7 +21,7 @@ from jaxamp._engine._trace import flatten_call, trace
 from jaxamp._fp8 import RECIPES, Float4Recipe, Float8Recipe, recipe_weights
 from jaxamp._policy import Policy
 from jaxamp._resolve import resolve
-from jaxamp._wire import warn_unhonoured_wire_dtypes
+from jaxamp._wire._warnings import warn_unhonoured_wire_dtypes
 
 __all__ = ["autocast"]
 

@@ -25,8 +25,10 @@ from jaxamp._autocast._matmul import padded, run_matmul
 from jaxamp._autocast._sharded import (
     gathered_parameter,
     gathers_a_parameter,
+    mark_parameter,
     narrow_lookup,
-    wide_gradient_of,
+    product_dtypes,
+    wide_broadcast,
 )
 from jaxamp._autocast._values import (
     ACTIVATION,
@@ -42,7 +44,6 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._interpreter import eval_jaxpr
 from jaxamp._fp8 import Recipe, kept_scope, recipe_operands
 from jaxamp._policy import Policy
-from jaxamp._wire import spans_devices, vary_before_cast
 
 __all__ = [
     "KIND_RULES",
@@ -141,9 +142,8 @@ class Autocaster:
         """A plain operand brought to ``dtype`` (saturating), to meet an activation.
 
         One that an elementwise op broadcasts against a batch (a bias, a
-        position embedding) is broadcast here, by ``_wide_gradient_of``: the
-        sum over the batch that is its gradient then runs in ``reduce_dtype``,
-        where the SPMD partitioner sums a data-parallel batch's shards.
+        position embedding) is broadcast by ``_sharded.wide_broadcast``, its
+        gradient summed in ``reduce_dtype``.
         """
         shape = eqn.outvars[0].aval.shape
         broadcast = (
@@ -153,11 +153,7 @@ class Autocaster:
         )
         if not broadcast or isinstance(value, np.ndarray) or value.dtype.itemsize <= dtype.itemsize:
             return saturate_finite(value, dtype)
-        dims = tuple(range(len(shape)))
-        value = vary_before_cast(value, self.policy.reduce_dtype, *like)
-        return wide_gradient_of(
-            self, value, lambda a: jax.lax.broadcast_in_dim(a, shape, dims), [], dtype
-        )
+        return wide_broadcast(self, value, dtype, shape, like)
 
     def breaks_in_compute_dtype(self, eqn: jex.JaxprEqn, ins: list[tuple]) -> bool:
         """Whether "follow" would narrow a value that 16 bits break (see ``_wide``)."""
@@ -184,21 +180,6 @@ class Autocaster:
     def role_of_cast(self, dtype: np.dtype) -> int:
         """The role of a value moved to ``dtype`` on purpose (a cast, a rule's choice)."""
         return ACTIVATION if dtype == self.compute_dtype else PINNED
-
-    def gradient_dtype(self, role: int, partitioned: bool = False) -> np.dtype:
-        """The result dtype of the backward product giving a contraction operand's cotangent.
-
-        Under SPMD partitioning the partitioner reduces a cotangent across
-        devices right after that product, in its result dtype. The gradient
-        of a parameter (a PLAIN operand) comes out in ``policy.reduce_dtype``
-        (float32 unless it is 16-bit); an activation's in the compute dtype
-        where the program spans several devices (``partitioned``: Megatron's
-        16-bit partial sums), else float32 (accumulation, then a cast).
-        """
-        reduce = np.dtype(self.policy.reduce_dtype)
-        if role == PLAIN:
-            return reduce if reduce.itemsize < 4 else F32
-        return self.compute_dtype if partitioned else F32
 
     # -- helpers for the higher-order rules ---------------------------------------
 
@@ -307,9 +288,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if hooked is not None:
         lhs, rhs, matmul = hooked
     else:
-        # Across devices, a product's partial sums are reduced in its result dtype:
-        # the compute dtype there, float32 (then a cast) on one device.
-        partitioned = spans_devices(lhs, rhs)
+        # What the partitioner reduces, in which dtype: read before the operands move.
+        grad_dtypes, result_dtype = product_dtypes(ac, lhs, rhs, (lhs_role, rhs_role))
         lhs, rhs = (
             _contraction_operand(ac, lhs, lhs_role, rhs),
             _contraction_operand(ac, rhs, rhs_role, lhs),
@@ -317,11 +297,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         matmul = functools.partial(
             run_matmul,
             transposable=ac.transposable,
-            grad_dtypes=(
-                ac.gradient_dtype(lhs_role, partitioned),
-                ac.gradient_dtype(rhs_role, partitioned),
-            ),
-            result_dtype=ac.compute_dtype if partitioned else F32,
+            grad_dtypes=grad_dtypes,
+            result_dtype=result_dtype,
         )
     unpad = None
     if ac.pad_to is not None:
@@ -338,8 +315,7 @@ def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> A
     """A contraction operand in the compute dtype.
 
     Inside ``shard_map``, a parameter (PLAIN) that meets a varying operand is
-    marked varying before its cast, so that its gradient's ``psum`` runs in
-    ``reduce_dtype``'s width (``_wire.vary_before_cast``).
+    marked varying before its cast (``_sharded.mark_parameter``).
 
     A PINNED operand is float32 on purpose (log-probabilities, a loop
     accumulator) and may hold finite values beyond float16's range that a mask
@@ -350,9 +326,7 @@ def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> A
     dtype = ac.compute_dtype
     if role == PINNED:
         return saturate_finite(value, dtype)
-    if role == PLAIN and is_floating(value) and dtype.itemsize < np.dtype(value.dtype).itemsize:
-        value = vary_before_cast(value, ac.policy.reduce_dtype, other)
-    return cast(value, dtype)
+    return cast(mark_parameter(ac, value, role, other), dtype)
 
 
 # Rule kind of AUTOCAST_RULES -> rule, for the first-order kinds ("recurse" names a

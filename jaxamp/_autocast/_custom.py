@@ -41,7 +41,29 @@ from jaxamp._engine import _compat as compat
 from jaxamp._engine._visit import walk
 from jaxamp._policy import get_policy
 
-__all__ = ["around_float32_core", "handle_custom_jvp"]
+__all__ = ["LINALG_PRIMITIVES", "around_float32_core", "handle_custom_jvp"]
+
+
+# Factorizations and solves: float32 (no 16-bit kernels on most backends), and a
+# custom_jvp function or a call built around one (``pinv``, ``lstsq``) runs as a
+# whole, rule included, in float32 (here). ``custom_linear_solve``
+# (``solve``) is "keep". ``_rules`` reads this list for its table.
+LINALG_PRIMITIVES = (
+    "cholesky",
+    "eig",
+    "eigh",
+    "lu",
+    "qr",
+    "svd",
+    "schur",
+    "hessenberg",
+    "householder_product",
+    "triangular_solve",
+    "tridiagonal",
+    "tridiagonal_solve",
+    "custom_linear_solve",
+)
+
 
 _F32 = np.dtype(np.float32)
 
@@ -137,10 +159,6 @@ def _current_consts(
 
 def _has_float32_core(ac: Autocaster, closed: jex.ClosedJaxpr) -> bool:
     """Whether ``closed`` runs a factorization or solve that its rule keeps out of 16 bits."""
-    # Imported here: _rules derives its "recurse" entries from _control_flow,
-    # which imports this module.
-    from jaxamp._autocast._rules import LINALG_PRIMITIVES
-
     wide = (float32, keep)
     return any(
         eqn.primitive.name in LINALG_PRIMITIVES and ac.table.get(eqn.primitive.name) in wide

@@ -37,32 +37,13 @@ from __future__ import annotations
 import types
 
 from jaxamp._autocast._control_flow import HIGHER_ORDER_RULES
+from jaxamp._autocast._custom import LINALG_PRIMITIVES
 from jaxamp._engine._contractions import MATMUL_PRIMITIVES
 
 __all__ = ["AUTOCAST_RULES", "LINALG_PRIMITIVES", "MATMUL_PRIMITIVES", "RULE_KINDS"]
 
 RULE_KINDS = ("compute", "float32", "follow", "keep", "recurse")
 
-
-# Factorizations and solves: float32 (no 16-bit kernels on most backends), and a
-# custom_jvp function or a call built around one (``pinv``, ``lstsq``) runs as a
-# whole, rule included, in float32 (``_custom.py``). ``custom_linear_solve``
-# (``solve``) is "keep".
-LINALG_PRIMITIVES = (
-    "cholesky",
-    "eig",
-    "eigh",
-    "lu",
-    "qr",
-    "svd",
-    "schur",
-    "hessenberg",
-    "householder_product",
-    "triangular_solve",
-    "tridiagonal",
-    "tridiagonal_solve",
-    "custom_linear_solve",
-)
 
 _FLOAT32 = (
     # exp/log family and powers (torch: exp, expm1, log, log1p, log2, log10, pow, rsqrt).

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxamp._casting import QUANTIZE_SCOPE
+from jaxamp._fp8._scalings import QUANTIZE_SCOPE
 
 __all__ = ["FACTS_SCOPE", "Facts", "mark", "observing", "quantization_of", "quantize_scope"]
 

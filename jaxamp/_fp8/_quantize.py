@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxamp._casting import F32, QUANTIZE_SCOPE
-from jaxamp._fp8._scalings import KINDS, Groups, scaling_named
+from jaxamp._casting import F32
+from jaxamp._fp8._scalings import KINDS, QUANTIZE_SCOPE, Groups, scaling_named
 
 __all__ = ["Groups", "groups_for", "quantize", "scale_from_amax", "scaled_product"]
 

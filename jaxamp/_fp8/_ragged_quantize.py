@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import F32, QUANTIZE_SCOPE
-from jaxamp._fp8._scalings import Groups
+from jaxamp._casting import F32
+from jaxamp._fp8._scalings import QUANTIZE_SCOPE, Groups
 
 __all__ = ["RaggedSpec", "Segments", "Tiles", "quantize_experts", "quantize_rows", "segments"]
 

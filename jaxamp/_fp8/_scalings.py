@@ -22,6 +22,7 @@ __all__ = [
     "KEPT_SCOPE",
     "KINDS",
     "MX_BLOCK",
+    "QUANTIZE_SCOPE",
     "SCALINGS",
     "SCOPE_PREFIX",
     "Groups",
@@ -44,6 +45,9 @@ SCOPE_PREFIX = "fp8_"
 FP4_SCOPE_PREFIX = "fp4_"
 # The name scope of a product a recipe's high_precision keeps in the compute dtype.
 KEPT_SCOPE = "kept_high_precision"
+# The name scope of an FP8 quantization (amax, scale, scaled saturating cast):
+# numerics_report measures it as one op, its float8 output, not each of its steps.
+QUANTIZE_SCOPE = "jaxamp_quantize"
 # A scale's format: a float32 number, or an E4M3 number under a float32 per-tensor
 # scale (NVFP4's two levels), or an E8M0 power of two (OCP MX).
 SCALE_FORMATS = ("float32", "float8_e4m3fn", "float8_e8m0fnu")

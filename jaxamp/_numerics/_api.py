@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._numerics._numerics_report import NumericsReport
 from jaxamp._numerics._program import NumericsProgram, check_options
-from jaxamp._numerics._types import NumericsReport
 from jaxamp._resolve import resolved_spec
 
 __all__ = ["numerics_report", "prepare"]

@@ -44,9 +44,9 @@ import jax
 import numpy as np
 
 from jaxamp._numerics._flow import SiteGraph
+from jaxamp._numerics._numerics_report import NumericsReport
 from jaxamp._numerics._retype import checking_every_twin
 from jaxamp._numerics._summary import summarise
-from jaxamp._numerics._types import NumericsReport
 
 __all__ = [
     "CACHE_SIZE",

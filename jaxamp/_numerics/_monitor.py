@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxamp._numerics._numerics_report import NumericsReport
 from jaxamp._numerics._program import NumericsProgram, check_options
-from jaxamp._numerics._types import NumericsReport
 from jaxamp._resolve import resolved_spec
 
 __all__ = ["numerics_monitor"]

@@ -37,11 +37,12 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._casting import QUANTIZE_SCOPE
 from jaxamp._engine import _compat as compat
 from jaxamp._engine import _control as control
 from jaxamp._engine._visit import sub_path
 from jaxamp._fp8._fp4_facts import FACTS_SCOPE, quantization_of
+from jaxamp._fp8._scalings import QUANTIZE_SCOPE
+from jaxamp._reporting import is_jaxamp_file
 
 __all__ = [
     "PER_OPERAND",
@@ -235,9 +236,6 @@ def _visit_op(eqn, ins, where: _Where, index, sites) -> list[bool]:
     return scaled
 
 
-_JAXAMP_DIR = os.path.join(os.path.realpath(os.path.dirname(os.path.dirname(__file__))), "")
-
-
 def _is_internal(eqn: jex.JaxprEqn) -> bool:
     """jaxamp's own values: a barrier autocast inserted around a matmul's operands
     (it moves values). autocast computes no value it then discards: its saturating
@@ -246,7 +244,7 @@ def _is_internal(eqn: jex.JaxprEqn) -> bool:
     return (
         eqn.primitive.name == "optimization_barrier"
         and bool(frames)
-        and os.path.realpath(frames[0][0]).startswith(_JAXAMP_DIR)
+        and is_jaxamp_file(frames[0][0])
     )
 
 

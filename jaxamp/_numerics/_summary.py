@@ -7,9 +7,9 @@ import math
 import jax.numpy as jnp
 
 from jaxamp._numerics._flow import SiteGraph, reaching
+from jaxamp._numerics._numerics_report import SAFETY_FACTOR, NumericsReport, OpStats
 from jaxamp._numerics._sites import Site
 from jaxamp._numerics._stats import NEVER, STATISTICS, unpack_row
-from jaxamp._numerics._types import SAFETY_FACTOR, NumericsReport, OpStats
 
 __all__ = ["summarise"]
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._communication import _describe, report_from_hlo
-from jaxamp._hlo import hlo_dtype, parse_module
+from jaxamp._wire._collectives import _describe, report_from_hlo
+from jaxamp._wire._hlo import hlo_dtype, parse_module
 from jaxamp.testing import assert_gathers_in, assert_reduces_in
 
 # Forms the partitioner does not emit on CPU but a backend's final program has:

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from jaxamp._reporting import text_table
+
 __all__ = ["NumericsReport", "OpStats"]
 
 _ROWS = 10  # ops per table in str(report); the full list is report.ops
@@ -291,6 +293,4 @@ def _table(ops: list[OpStats]) -> list[str]:
 
 
 def _aligned(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
-    rows = [header, *body]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return text_table([header, *body], indent="  ", strip=False)

@@ -8,7 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._communication import Collective, CommunicationReport, as_dtype, communication_report
+from jaxamp._wire._collectives import communication_report
+from jaxamp._wire._communication_report import Collective, CommunicationReport, as_dtype
 
 __all__ = ["assert_gathers_in", "assert_reduces_in"]
 
