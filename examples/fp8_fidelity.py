@@ -125,16 +125,25 @@ def summarise(records: list[dict[str, Any]], example: str) -> str:
 
 
 def relative_by_setup(records: list[dict[str, Any]], example: str) -> dict[str, np.ndarray]:
-    """Setup -> each seed's metric relative to the baseline's mean (in %), in ``SETUPS`` order."""
+    """Setup -> each seed's metric relative to the baseline's on the same seed (in %).
+
+    Paired by seed: a seed fixes the initial weights and the batches, so the
+    pairing takes the seed-to-seed spread out of the comparison. In ``SETUPS`` order.
+    """
     runs = [r for r in records if r["example"] == example]
-    base = [r["metric"] for r in runs if r["setup"] == BASELINE]
+    base = {r["seed"]: r["metric"] for r in runs if r["setup"] == BASELINE}
     if not base:
         return {}
-    mean = float(np.mean(base))
     return {
-        setup: np.array([100 * (r["metric"] / mean - 1) for r in runs if r["setup"] == setup])
+        setup: np.array(
+            [
+                100 * (r["metric"] / base[r["seed"]] - 1)
+                for r in runs
+                if r["setup"] == setup and r["seed"] in base
+            ]
+        )
         for setup in SETUPS
-        if any(r["setup"] == setup for r in runs)
+        if any(r["setup"] == setup and r["seed"] in base for r in runs)
     }
 
 
@@ -157,7 +166,9 @@ def plot(records: list[dict[str, Any]], examples: list[str], path: Path) -> None
         ax.set_xlabel(f"{METRICS[example]}, % vs {BASELINE.removeprefix('autocast_')}")
         ax.set_title(example)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle("Low-bit fidelity: mean over seeds (bars) and each seed (dots)")
+    fig.suptitle(
+        "Low-bit fidelity against bfloat16 on the same seed: mean (bars), each seed (dots)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
