@@ -239,7 +239,7 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
         "heads": max(1, width // args.head_dim),
         "layers": args.layers,
         "context": args.context,
-        "experts": args.experts,
+        "experts": getattr(args, "experts", 0),  # scripts that reuse charlm build their own args
     }
 
 
