@@ -65,11 +65,11 @@ def _scan_sources(eqn: jex.JaxprEqn, ins: list) -> tuple[jex.Jaxpr, dict]:
     rule matching it keeps that product in every iteration (every layer of the
     stack). The carry changes from one iteration to the next: it is no input.
     """
-    body = eqn.params["jaxpr"].jaxpr
-    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    skip = set(range(consts, consts + carry))
-    pairs = zip(body.invars, ins, strict=True)
-    return body, {v: s for i, (v, s) in enumerate(pairs) if s is not None and i not in skip}
+    parts = compat.scan_parts(eqn)
+    consts, _, xs = parts.split(list(range(len(ins))))
+    body = parts.jaxpr.jaxpr
+    kept = [*consts, *xs]
+    return body, {body.invars[i]: ins[i] for i in kept if ins[i] is not None}
 
 
 def _visit(
