@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -162,18 +163,16 @@ def test_numerics_report(name):
     assert report.suggested_loss_scale is not None and report.suggested_loss_scale >= 1.0
 
 
-@pytest.mark.parametrize("name", zoo.NAMES)
-def test_numerics_monitor_in_a_jitted_step(name):
-    m = zoo.model(name)
+def _monitored_steps(m, policy: str, steps: int = 3) -> tuple[list, Any]:
+    """``steps`` jitted SGD steps under ``policy`` with a monitor firing every second step.
+
+    Returns the monitor's ``(step, report)`` pairs and the final params.
+    """
     seen = []
     monitor = jaxamp.numerics_monitor(
-        m.loss,
-        every=2,
-        policy="mixed_float16",
-        grad=True,
-        callback=lambda s, r: seen.append((s, r)),
+        m.loss, every=2, policy=policy, grad=True, callback=lambda s, r: seen.append((s, r))
     )
-    loss = jaxamp.autocast(zoo.closed_loss(m), "mixed_float16")
+    loss = jaxamp.autocast(zoo.closed_loss(m), policy)
 
     @jit
     def step(i, params):
@@ -182,9 +181,15 @@ def test_numerics_monitor_in_a_jitted_step(name):
         return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
 
     params = m.params
-    for i in range(3):
+    for i in range(steps):
         params = step(i, params)
     jax.effects_barrier()
+    return seen, params
+
+
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_numerics_monitor_in_a_jitted_step(name):
+    seen, params = _monitored_steps(zoo.model(name), "mixed_float16")
     assert [s for s, _ in seen] == [0, 2]
     assert all(r.first_nonfinite is None for _, r in seen)
     assert _finite(params)
@@ -197,23 +202,7 @@ def test_numerics_monitor_in_a_jitted_step(name):
 def test_numerics_monitor_fp4_in_a_jitted_step(spec):
     # Each FP4 quantization is one op, its float4 codes, with the input's amax and the
     # scales, measured inside the caller's jitted step.
-    m = zoo.model("nnx_mlp")
-    seen = []
-    monitor = jaxamp.numerics_monitor(
-        m.loss, every=2, policy=spec, grad=True, callback=lambda s, r: seen.append((s, r))
-    )
-    loss = jaxamp.autocast(zoo.closed_loss(m), spec)
-
-    @jit
-    def step(i, params):
-        monitor(i, params, *m.batch)
-        grads = jax.grad(loss)(params)
-        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
-
-    params = m.params
-    for i in range(3):
-        params = step(i, params)
-    jax.effects_barrier()
+    seen, params = _monitored_steps(zoo.model("nnx_mlp"), spec)
     assert [s for s, _ in seen] == [0, 2]
     for _, report in seen:
         assert report.first_nonfinite is None
