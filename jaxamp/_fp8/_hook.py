@@ -96,7 +96,28 @@ def recipe_weights(
     matching = {i for i, name in names.items() if any(re.search(p, name) for p in patterns)}
     operands = weight_operands(closed, ALL_CONTRACTIONS, scans=True)
     ids = frozenset(eqn for (eqn, _), i in operands.items() if i in matching)
+    _warn_unused(recipe, names, set(operands.values()))
     return PrePass(amaxes, ids)
+
+
+def _warn_unused(recipe: Recipe, names: dict[int, str], operand_inputs: set[int]) -> None:
+    """A pattern whose leaves reach no matmul it can see keeps nothing: say so, not silently.
+
+    E.g. a weight used only inside a ``lax.cond`` branch or a ``while`` body (not
+    followed), or a pattern that names only norms and biases.
+    """
+    for pattern in recipe.high_precision or ():
+        hits = [i for i, name in names.items() if re.search(pattern, name)]
+        if hits and not any(i in operand_inputs for i in hits):
+            warnings.warn(
+                f"{type(recipe).__name__}(high_precision=...): {pattern!r} matches "
+                f"{[names[i] for i in hits[:3]]} but none of them is a matmul operand "
+                "high_precision can follow (through views and jit, checkpoint, custom_jvp "
+                "and scan bodies; not into cond branches or while bodies), so it keeps no "
+                "matmul in the compute dtype.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _first_arg_name(path: tuple) -> str | None:

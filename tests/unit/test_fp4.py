@@ -352,6 +352,20 @@ def test_high_precision_keeps_a_scanned_stack_whole(cls):
     assert plain(params, x) == jax.jit(jaxamp.autocast(net, "mixed_bfloat16"))(params, x)
 
 
+@pytest.mark.parametrize("cls", [jaxamp.Float4Recipe, jaxamp.Float8Recipe])
+def test_high_precision_warns_when_its_leaves_reach_no_matmul_it_can_follow(cls):
+    params = {"inner": jnp.ones((32, 32)) / 32, "norm": jnp.ones(32)}
+    x = jnp.ones((16, 32))
+
+    def net(params, x):  # the weight is used only inside a cond branch
+        h = jax.lax.cond(True, lambda h: h @ params["inner"], lambda h: h, x)
+        return jnp.sum(h * params["norm"])
+
+    for pattern in (r"\['inner'\]", r"\['norm'\]"):
+        with pytest.warns(UserWarning, match=r"none of them is a matmul operand"):
+            jaxamp.autocast(net, cls(high_precision=pattern))(params, x)
+
+
 def test_fp8_recipe_rejects_an_fp4_format():
     with pytest.raises(ValueError, match="Float4Recipe"):
         jaxamp.Float8Recipe("nvfp4")
