@@ -2,16 +2,20 @@
 
 A ``dot_general`` is brought to ``[B, P, C] x [B, Q, C]`` (batch, free and
 contracting dims each merged; a transpose and a reshape that JAX differentiates
-as usual), and a ``custom_vjp`` runs the three products in FP8: the forward on
-``forward_dtype`` operands, and both backward products on the incoming gradient
-in ``gradient_dtype`` and the saved operands requantized in ``forward_dtype``
-along the backward product's contracting dim (rowwise groups differ between the
-forward and the backward products, as in torchao). Residuals are the operands
-as they reached the matmul (parameters in their own dtype, activations in the
-compute dtype), except under tensorwise scaling, whose groups do not depend on
-the contracting dim: there the forward's float8 operands are saved and the
-backward products contract them along the other dim (a sharded weight is then
-all-gathered once per step, in float8).
+as usual; a product with several batch dims is mapped over all but one, so
+that no sharded batch dim is merged with another), and a ``custom_vjp`` runs
+the three products in FP8: the forward on ``forward_dtype`` operands, and both
+backward products on the incoming gradient in ``gradient_dtype``. An
+activation is requantized along the backward product's contracting dim
+(rowwise groups differ between the forward and the backward products, as in
+torchao). A weight (a parameter: autocast's PLAIN operand) is quantized once:
+the input-gradient product reuses its forward codes (``_input_gradient``:
+rowwise folds the weight's scales into the gradient, square tiles are the same
+tiles transposed (``_tiles.py``), other blocks are requantized from the
+codes), so that a sharded weight is all-gathered once per step, in float8.
+Under tensorwise scaling, whose groups do not depend on the contracting dim,
+the forward's float8 operands are saved and the backward products contract
+them along the other dim.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import dot_dims
 from jaxamp._engine._interpreter import eval_jaxpr
+from jaxamp._fp8 import _tiles
 from jaxamp._fp8._native import native_product, uses_native
 from jaxamp._fp8._quantize import groups_for, quantize, scaled_product
 from jaxamp._fp8._ragged import fp8_spec, ragged_dot, ragged_form
 from jaxamp._fp8._recipe import Float8Recipe
 from jaxamp._fp8._scales import WeightAmaxes, weight_amaxes
-from jaxamp._fp8._scalings import SCOPE_PREFIX
+from jaxamp._fp8._scalings import QUANTIZE_SCOPE, SCOPE_PREFIX
 from jaxamp._fp8._scalings import scope_name as _scope_name
+from jaxamp._wire._warnings import spans_devices
 
 __all__ = [
     "FP8_PRIMITIVES",
@@ -107,14 +113,61 @@ def _whole_product(x, y, contract: tuple, out_dtype, accumulate=F32):
     return (out.astype(F32) * inv_x * inv_y).astype(out_dtype)
 
 
+def _square_tiles(recipe: Float8Recipe) -> int | None:
+    """The side of the recipe's square weight tiles (blockwise: 128), if its weights have them."""
+    groups = groups_for(recipe.scaling, "weight")
+    square = groups.block is not None and groups.rows == groups.block
+    return groups.block if square and not uses_native(recipe) else None
+
+
+def _input_gradient(recipe: Float8Recipe, g, qb, c: int, accumulate):
+    """``g [B, P, Q]`` times the weight ``[B, Q, C]`` along Q, from the weight's forward
+    codes ``qb`` (``[B, Q, KB, kb]``, inverse scales ``[B, Q, KB]``).
+
+    The product contracts the weight along Q, where its forward groups do not
+    lie; quantizing it again from the parameter would quantize (and, sharded,
+    all-gather) each weight twice per step. Whole-row groups (rowwise: one scale
+    per Q row) fold into the gradient instead: ``sum_q g[p, q] w[q, c] =
+    sum_q (g[p, q] / s_q) code[q, c]``, so the gradient is quantized scaled by
+    the weight's inverse scales, and the forward's codes are contracted along
+    Q as they are (the partitioner gathers them once, for both products).
+    Blocks (blockwise, mxfp8) are requantized from the codes along Q: exact
+    for 128x128 tiles (the same tiles, transposed) and, with power-of-two
+    scales, for every value float8 keeps normal (a power-of-two rescaling).
+    """
+    q, inverse = qb
+    grad_groups, weight_groups = (groups_for(recipe.scaling, k) for k in ("grad", "weight"))
+    if weight_groups.block is None:
+        with jax.named_scope(QUANTIZE_SCOPE):
+            folded = g.astype(F32) * jax.numpy.swapaxes(inverse, 1, 2)
+        codes, inverse_g = quantize(folded, recipe.gradient_dtype, grad_groups, recipe.exact_scales)
+        qg = (codes[:, :, 0], inverse_g)  # one scale per row: [B, P, Q], [B, P, 1]
+        unscaled = (q, jax.numpy.ones((), F32))  # the forward's [B, Q, C] codes
+        return _whole_product(qg, unscaled, (2, 1), F32, accumulate)
+    qg = quantize(g, recipe.gradient_dtype, grad_groups, recipe.exact_scales)
+    with jax.named_scope(QUANTIZE_SCOPE):
+        values = (q.astype(F32) * inverse[..., None]).reshape(q.shape[0], q.shape[1], -1)
+        values = jax.numpy.swapaxes(values[:, :, :c], 1, 2)
+    qw = quantize(values, recipe.forward_dtype, weight_groups, recipe.exact_scales)
+    return _product(recipe, qg, qw, F32, accumulate)
+
+
 def _canonical_matmul(
-    recipe: Float8Recipe, kinds: tuple[str, str], dtypes: tuple, reduce: tuple
+    recipe: Float8Recipe,
+    kinds: tuple[str, str],
+    dtypes: tuple,
+    reduce: tuple,
+    accumulate: np.dtype = F32,
+    axes: tuple = (),
 ) -> Callable:
     """``[B, P, C] x [B, Q, C] -> [B, P, Q]`` in FP8, with FP8 backward products.
 
     ``dtypes``: the operands' dtypes (their cotangents'); ``reduce``: the result
     dtypes of the products giving each cotangent, which the partitioner reduces
-    across devices (a parameter's: ``recipe.reduce_dtype``).
+    across devices (a parameter's: ``recipe.reduce_dtype``); ``accumulate``:
+    the forward product's (its partial sums' where C is sharded); ``axes``: the
+    ``jax.vmap`` axes it is mapped over (``_batched_dot``), which a tensorwise
+    gradient's amax spans.
 
     ``amaxes``: each operand's amax when computed beforehand (a weight's, from
     the step's one fused reduction, ``_scales``; tensorwise only), else None.
@@ -129,6 +182,11 @@ def _canonical_matmul(
     # Tensorwise groups do not depend on the contracting dim: the backward
     # products reuse the forward's float8 operands (saved instead of a and b).
     reuse = recipe.scaling == "tensorwise"
+    # Rowwise: the weight's codes are saved for the input-gradient product, and
+    # the forward product contracts that same array (one all-gather of it).
+    rows = all(groups_for(recipe.scaling, k).block is None for k in (a_kind, b_kind))
+    # Square weight tiles (blockwise): both products contract the same tiled codes.
+    tiles = _square_tiles(recipe) if b_kind == "weight" else None
 
     def forward(a, b, amaxes):
         with jax.named_scope(scope):
@@ -136,8 +194,19 @@ def _canonical_matmul(
             qb = _quantized(recipe, b, fwd_dtype, b_kind, amaxes[1])
             if reuse:
                 qa, qb = _whole(qa), _whole(qb)
-                return _whole_product(qa, qb, (2, 2), out_dtype), (qa, qb)
-            return _product(recipe, qa, qb, out_dtype), (a, b)
+                return _whole_product(qa, qb, (2, 2), out_dtype, accumulate), (qa, qb)
+            if tiles:
+                w = _tiles.tiled(qb, min(tiles, b.shape[1]))
+                return _tiles.product(qa, w, b.shape[1], out_dtype, accumulate), (a, w)
+            if rows:  # one scale per row of each operand: its codes are [B, P, C]
+                codes = qb[0][:, :, 0]
+                a_rows, b_rows = (qa[0][:, :, 0], qa[1]), (codes, _t(qb[1]))
+                out = _whole_product(a_rows, b_rows, (2, 2), out_dtype, accumulate)
+                return out, (a, (codes, qb[1]) if b_kind == "weight" else b)
+            # A weight's codes are saved: the input-gradient product reuses them,
+            # so a sharded weight is all-gathered once per step, in float8.
+            out = _product(recipe, qa, qb, out_dtype, accumulate)
+            return out, (a, qb if b_kind == "weight" else b)
 
     @jax.custom_vjp
     def matmul(a, b, amaxes):
@@ -153,15 +222,26 @@ def _canonical_matmul(
         with jax.named_scope(scope):
             if reuse:
                 qa, qb = saved
-                qg = _whole(_quantized(recipe, g, grad_dtype, "grad"))
+                amax = _mapped_amax(g, axes)
+                qg = _whole(_quantized(recipe, g, grad_dtype, "grad", amax))
                 da = _whole_product(qg, qb, (2, 1), F32, reduce[0])
                 db = _whole_product(qg, qa, (1, 1), F32, reduce[1])
             else:
                 a, b = saved
-                qg, qg_t = (_quantized(recipe, v, grad_dtype, "grad") for v in (g, _t(g)))
-                qb_t = _quantized(recipe, _t(b), fwd_dtype, b_kind)
+                if tiles:
+                    # g's blocks along Q are the tiles' rows (Q zero-padded to whole tiles).
+                    rows = min(tiles, g.shape[2])
+                    padded = jax.numpy.pad(g, ((0, 0), (0, 0), (0, -g.shape[2] % rows)))
+                    qg = _quantized(recipe, padded, grad_dtype, "grad")
+                    da = _tiles.input_gradient(qg, b, a.shape[2], F32, reduce[0])
+                elif b_kind == "weight":
+                    da = _input_gradient(recipe, g, b, a.shape[2], reduce[0])
+                else:
+                    qg = _quantized(recipe, g, grad_dtype, "grad")
+                    qb_t = _quantized(recipe, _t(b), fwd_dtype, b_kind)
+                    da = _product(recipe, qg, qb_t, F32, reduce[0])
+                qg_t = _quantized(recipe, _t(g), grad_dtype, "grad")
                 qa_t = _quantized(recipe, _t(a), fwd_dtype, a_kind)
-                da = _product(recipe, qg, qb_t, F32, reduce[0])
                 db = _product(recipe, qg_t, qa_t, F32, reduce[1])
         zeros = jax.tree.map(jax.numpy.zeros_like, amaxes)  # amaxes are not differentiated
         return da.astype(dtypes[0]), db.astype(dtypes[1]), zeros
@@ -170,12 +250,62 @@ def _canonical_matmul(
     return matmul
 
 
+def _mapped_amax(v, axes: tuple):
+    """The amax of ``v`` over every slice of the ``jax.vmap`` axes ``axes`` (None: none)."""
+    if not axes:
+        return None
+    return jax.lax.pmax(jax.numpy.max(jax.numpy.abs(v.astype(F32))), axes)
+
+
 def _t(x):
     return jax.numpy.swapaxes(x, 1, 2)
 
 
 def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, plain: tuple, amaxes: tuple):
-    lb, lf, lc, rb, rf, rc = dot_dims(params["dimension_numbers"], x.ndim, w.ndim)
+    # Across devices the partitioner sums partial products in their result dtype:
+    # a parameter's gradient in reduce_dtype, the others in the compute dtype
+    # (Megatron's and 16-bit autocast's partial sums); one device: float32.
+    partial = recipe.compute_dtype if spans_devices(x, w) else F32
+    (contract, batch) = params["dimension_numbers"]
+    if len(batch[0]) > 1 and not uses_native(recipe):
+        return _batched_dot(recipe, contract, batch, x, w, plain, amaxes, partial)
+    return _dot(recipe, params["dimension_numbers"], x, w, plain, amaxes, partial)
+
+
+def _batched_dot(recipe, contract, batch, x, w, plain, amaxes, partial, axes=()):
+    """A product with several batch dims, mapped over the first (``jax.vmap``).
+
+    Merging batch dims into one would merge a sharded dim with another (tensor
+    parallel attention: heads sharded, the batch not), which the partitioner
+    can only do after gathering it. The groups are per batch element anyway,
+    except tensorwise's: its operands' amaxes, over the whole operands, come
+    first, and its output gradient's is a ``pmax`` over the mapped axes (``axes``).
+    """
+    if recipe.scaling == "tensorwise":
+        amaxes = tuple(
+            jax.numpy.max(jax.numpy.abs(v.astype(F32))) if m is None else m
+            for v, m in zip((x, w), amaxes, strict=True)
+        )
+    (lb, *lbs), (rb, *rbs) = batch
+    inner = (
+        tuple(tuple(d - (d > b) for d in dims) for dims, b in zip(contract, (lb, rb), strict=True)),
+        (tuple(d - (d > lb) for d in lbs), tuple(d - (d > rb) for d in rbs)),
+    )
+
+    name = f"jaxamp_fp8_batch{len(axes)}"
+
+    def one(x, w):
+        if len(inner[1][0]) > 1:
+            return _batched_dot(
+                recipe, inner[0], inner[1], x, w, plain, amaxes, partial, (*axes, name)
+            )
+        return _dot(recipe, inner, x, w, plain, amaxes, partial, (*axes, name))
+
+    return jax.vmap(one, in_axes=(lb, rb), axis_name=name)(x, w)
+
+
+def _dot(recipe: Float8Recipe, numbers, x, w, plain: tuple, amaxes: tuple, partial, axes=()):
+    lb, lf, lc, rb, rf, rc = dot_dims(numbers, x.ndim, w.ndim)
     out_shape = (
         *(x.shape[d] for d in lb),
         *(x.shape[d] for d in lf),
@@ -184,9 +314,9 @@ def _fp8_dot(recipe: Float8Recipe, params: dict, x, w, plain: tuple, amaxes: tup
     a = _to_canonical(x, lb, lf, lc)
     b = _to_canonical(w, rb, rf, rc)
     kinds = ("act", "weight" if plain[1] else "act")
-    reduce = tuple(recipe.reduce_dtype if p else F32 for p in plain)
-    out = _canonical_matmul(recipe, kinds, (a.dtype, b.dtype), reduce)(a, b, amaxes)
-    return out.reshape(out_shape)
+    reduce = tuple(recipe.reduce_dtype if p else partial for p in plain)
+    matmul = _canonical_matmul(recipe, kinds, (a.dtype, b.dtype), reduce, partial, axes)
+    return matmul(a, b, amaxes).reshape(out_shape)
 
 
 def _eval_fp8_pullback(closed: jex.ClosedJaxpr, args: list, widen: np.dtype) -> list:

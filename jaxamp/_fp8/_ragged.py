@@ -50,7 +50,7 @@ from jaxamp._fp8._ragged_quantize import (
     quantize_rows,
     segments,
 )
-from jaxamp._fp8._scalings import Groups, scaling_named, scope_name
+from jaxamp._fp8._scalings import QUANTIZE_SCOPE, Groups, scaling_named, scope_name
 
 __all__ = [
     "RaggedSpec",
@@ -104,12 +104,60 @@ def _row_tiles(seg: Segments, groups: Groups) -> Tiles | None:
     return None if groups.rows == 1 else seg.tiles(groups.rows)
 
 
-def _rows_product(spec, x, x_kind, x_dtype, w, w_kind, w_dtype, seg, sizes, out_dtype, accumulate):
-    """``x [M, C]`` (ragged rows) times ``w [G, Q, C]`` -> ``[M, Q]``, each group its expert."""
-    ax, aw = spec.groups[x_kind], spec.groups[w_kind]
+def _experts(spec, w, w_kind, w_dtype):
+    """``w [G, Q, C]`` quantized per expert in ``w_kind``'s groups."""
+    return quantize_experts(spec, w, w_dtype, spec.groups[w_kind]._replace(whole_batch=False))
+
+
+def _rows_product(
+    spec, x, x_kind, x_dtype, w, w_kind, w_dtype, seg, sizes, out_dtype, accumulate, qw=None
+):
+    """``x [M, C]`` (ragged rows) times ``w [G, Q, C]`` -> ``[M, Q]``, each group its expert.
+
+    ``qw``: ``w`` already quantized (:func:`_experts`).
+    """
+    ax = spec.groups[x_kind]
     qx, inv_x, _ = quantize_rows(spec, x, x_dtype, _row_tiles(seg, ax), ax.block)
-    qw, inv_w = quantize_experts(spec, w, w_dtype, aw._replace(whole_batch=False))
-    return scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate)
+    qw = _experts(spec, w, w_kind, w_dtype) if qw is None else qw
+    return scaled_rows(qx, inv_x, *qw, seg, sizes, out_dtype, accumulate)
+
+
+def _weight_input_gradient(spec, g, qw, seg, sizes, c: int, accumulate):
+    """``g [M, Q]`` times each expert's weight along Q -> ``[M, C]``, from the forward's codes.
+
+    As the dense product's (``_matmul._input_gradient_operands``): whole-row
+    weight groups fold their inverse scales into ``g`` before it is quantized
+    and the codes are contracted unscaled; blocks are requantized from the
+    codes along Q.
+    """
+    codes, inverse = qw  # [G, Q, KB, kb], [G, Q, KB]
+    ag = spec.groups["grad"]
+    if spec.groups["weight"].block is None:
+        with jax.named_scope(QUANTIZE_SCOPE):
+            per_row = inverse[jnp.minimum(seg.ids, codes.shape[0] - 1)][:, :, 0]  # [M, Q]
+            folded = g.astype(F32) * per_row
+            unscaled = jnp.swapaxes(codes[:, :, 0], 1, 2)[:, :, None, :]  # [G, C, 1, Q]
+            ones = jnp.ones(unscaled.shape[:3], F32)
+        qg, inv_g, _ = quantize_rows(
+            spec, folded, spec.gradient_dtype, _row_tiles(seg, ag), ag.block
+        )
+        return scaled_rows(qg, inv_g, unscaled, ones, seg, sizes, F32, accumulate)
+    with jax.named_scope(QUANTIZE_SCOPE):
+        values = (codes.astype(F32) * inverse[..., None]).reshape(*codes.shape[:2], -1)
+        values = jnp.swapaxes(values[:, :, :c], 1, 2)  # [G, C, Q]
+    return _rows_product(
+        spec,
+        g,
+        "grad",
+        spec.gradient_dtype,
+        values,
+        "weight",
+        spec.forward_dtype,
+        seg,
+        sizes,
+        F32,
+        accumulate,
+    )
 
 
 def scaled_rows(qx, inv_x, qw, inv_w, seg, sizes, out_dtype, accumulate, scope=None):
@@ -201,10 +249,13 @@ def ragged_matmul(
     if all(g.rows is None and g.block is None for g in spec.groups.values()):
         return _whole_matmul(spec, kinds, dtypes, reduce)
 
+    weight = w_kind == "weight"
+
     def forward(x, w, sizes):
         with jax.named_scope(spec.scope):
             seg = segments(sizes, x.shape[0])
-            return _rows_product(
+            qw = _experts(spec, w, w_kind, fwd_dtype)
+            out = _rows_product(
                 spec,
                 x,
                 x_kind,
@@ -216,24 +267,31 @@ def ragged_matmul(
                 sizes,
                 spec.compute_dtype,
                 F32,
+                qw,
             )
+            # A weight's codes are saved: the input-gradient product reuses them
+            # (a sharded expert weight is all-gathered once per step, in float8).
+            return out, (x, qw if weight else w, sizes)
 
     @jax.custom_vjp
     def matmul(x, w, sizes):
-        return forward(x, w, sizes)
+        return forward(x, w, sizes)[0]
 
     def fwd(x, w, sizes):
-        return forward(x, w, sizes), (x, w, sizes)
+        return forward(x, w, sizes)
 
     def bwd(residuals, g):
         x, w, sizes = residuals
         with jax.named_scope(spec.scope):
             seg = segments(sizes, x.shape[0])
             # dx[M, C] = g[M, Q] . w[group] over Q; dw[G, Q, C] = g^T . x over each group's rows.
-            w_t = jnp.swapaxes(w, 1, 2)
-            dx = _rows_product(
-                spec, g, "grad", grad_dtype, w_t, w_kind, fwd_dtype, seg, sizes, F32, reduce[0]
-            )
+            if weight:
+                dx = _weight_input_gradient(spec, g, w, seg, sizes, x.shape[1], reduce[0])
+            else:
+                w_t = jnp.swapaxes(w, 1, 2)
+                dx = _rows_product(
+                    spec, g, "grad", grad_dtype, w_t, w_kind, fwd_dtype, seg, sizes, F32, reduce[0]
+                )
             dw = _contract_product(
                 spec, g, "grad", grad_dtype, x, x_kind, fwd_dtype, seg, reduce[1]
             )

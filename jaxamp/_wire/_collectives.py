@@ -126,20 +126,45 @@ def _describe(inst: HloInstruction, module: HloModule) -> list[Collective]:
     )
     location = _user_location(inst, module)
     sources = [_parameter_source(start, module) or (None, None) for start in starts]
+    # A gather of an already gathered value (the partitioner gathers a dim split
+    # over two mesh-aligned dims in stages) adds only what it did not have: the
+    # stages together count as one gather of the whole tensor.
+    had = _gathered_input(inst, module) if kind == "all-gather" else 0
     return [
         Collective(
             kind=str(kind),
             dtype=hlo_dtype(dtype),
             shape=shape,
             # float4_e2m1fn: half a byte per element (XLA packs sub-byte types).
-            bytes=-(-math.prod(shape) * element_bits(hlo_dtype(dtype)) // 8),
+            bytes=-(-(math.prod(shape) - had) * element_bits(hlo_dtype(dtype)) // 8),
             parameter=parameter,
             op_name=inst.op_name,
             location=location,
             parameter_dtype=parameter_dtype,
+            staged=had > 0,
         )
         for (dtype, shape), (parameter, parameter_dtype) in zip(types, sources, strict=True)
     ]
+
+
+def _gathered_input(inst: HloInstruction, module: HloModule) -> int:
+    """The elements of an all-gather's input if an earlier all-gather produced it, else 0.
+
+    Followed through casts and layout changes that keep the element count.
+    """
+    if len(inst.operands) != 1 or inst.operands[0] not in module.instructions:
+        return 0
+    node = module.instructions[inst.operands[0]]
+    size = _elements(node)
+    for _ in range(8):
+        if collective_kind(node.opcode) == "all-gather":
+            return size
+        if node.opcode not in (*_CASTS, *_LAYOUTS) or len(node.operands) != 1:
+            return 0
+        node = module.instructions.get(node.operands[0])
+        if node is None or _elements(node) != size:
+            return 0
+    return 0
 
 
 def _wire_types(inst: HloInstruction, kind: str | None, module: HloModule) -> tuple:
@@ -180,6 +205,8 @@ def _parameter_source(operands: list[str], module: HloModule) -> tuple[str, Any]
             found[name] = _known_dtype(node.types[0][0]) if len(node.types) == 1 else None
         elif node.opcode == "parameter":
             stack.extend((o, depth + 1) for o in module.call_arguments(node))
+        elif node.opcode in ("pad", "slice"):  # a parameter padded (to whole blocks) or cut
+            stack.extend([(node.operands[0], depth + 1)] if node.operands else [])
         elif node.opcode in _FOLLOWED:
             # Only operands with the node's own element count: a broadcast scale
             # or clamp bound is not the data.

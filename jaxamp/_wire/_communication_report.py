@@ -35,7 +35,8 @@ class Collective:
         reduce-scatter, the operand's for the others.
       bytes: the bytes of that shape (one device's view of the logical tensor),
         half a byte per element of a 4-bit type (``float4_e2m1fn``, HLO's
-        ``f4e2m1fn``), rounded up.
+        ``f4e2m1fn``), rounded up; for a ``staged`` all-gather only the
+        bytes it adds to its input.
       parameter: the argument the collective's data comes from (e.g.
         ``"params['w1']"``) when it is one followed through casts, layout
         changes, optimization barriers and elementwise scaling or shifts;
@@ -47,6 +48,9 @@ class Collective:
       parameter_dtype: that argument's dtype (``None`` without ``parameter``):
         an integer one (token ids) is data, not a parameter whose wire dtype
         a policy decides.
+      staged: an all-gather of what an earlier all-gather gathered (the
+        partitioner gathers a dim split over two array dims in stages): the
+        stages' ``bytes`` add up to one gather of the whole tensor.
     """
 
     kind: str
@@ -57,6 +61,7 @@ class Collective:
     op_name: str
     location: str | None
     parameter_dtype: np.dtype | None = None
+    staged: bool = False
 
     @property
     def backward(self) -> bool:

@@ -334,7 +334,9 @@ def _communication_worker() -> dict:
                 ),
                 # Bytes per element on the wire, per gathered dtype (float4: half a byte).
                 "bytes_per_element": {
-                    c.dtype.name: c.bytes / math.prod(c.shape) for c in gathers if c.shape
+                    c.dtype.name: c.bytes / math.prod(c.shape)
+                    for c in gathers
+                    if c.shape and not c.staged
                 },
             }
     return out

@@ -5,12 +5,16 @@ the program right after the SPMD partitioner with ``communication_report`` and
 runs the step sharded and on one device; it prints its measurements as JSON.
 """
 
+import pytest
+
 from tests.helpers import run_with_devices
 
 N_DEVICES = 8
 WEIGHTS = ("w1", "w2", "head")  # the matmul weights; emb and ln are not matmul operands
 VOCAB, D, F, B, T = 64, 64, 256, 32, 8
 N_PRODUCTS = 3  # dense layers: each quantizes one activation and one gradient tensorwise
+# Recipes whose weight groups depend on the contracting dim, gathered once all the same.
+GATHERED_ONCE = ("rowwise", "blockwise")
 
 
 def _params(jnp, jax):
@@ -63,12 +67,13 @@ def _worker() -> dict:
     for name, recipe in {
         "tensorwise": jaxamp.Float8Recipe(),
         "bf16_reduce": jaxamp.Float8Recipe(reduce_dtype=jnp.bfloat16),
+        **{s: jaxamp.Float8Recipe(s, gemm="emulated") for s in GATHERED_ONCE},
     }.items():
         step = jax.value_and_grad(jaxamp.autocast(loss, recipe))
         report = jaxamp.communication_report(step, *sharded)
         out[name] = {
             "collectives": [
-                [c.kind, c.dtype.name, list(c.shape), c.bytes, c.parameter, c.backward]
+                [c.kind, c.dtype.name, list(c.shape), c.bytes, c.parameter, c.backward, c.staged]
                 for c in report.collectives
             ],
             "param_count": report.param_count,
@@ -77,17 +82,34 @@ def _worker() -> dict:
     step = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, "mixed_float8")))
     (l_one, g_one), (l_sharded, g_sharded) = step(params, tokens), step(*sharded)
     out["loss"] = [float(l_one), float(l_sharded)]
-    out["grad_err"] = {
-        k: float(jnp.max(jnp.abs(g_one[k] - g_sharded[k])) / jnp.max(jnp.abs(g_one[k])))
-        for k in params
-    }
+    out["grad_err"] = _grad_err(g_one, g_sharded)
+    for scaling in GATHERED_ONCE:
+        recipe = jaxamp.Float8Recipe(scaling, gemm="emulated")
+        step = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, recipe)))
+        (l_one, g_one), (l_sharded, g_sharded) = step(params, tokens), step(*sharded)
+        out[scaling]["loss"] = [float(l_one), float(l_sharded)]
+        out[scaling]["grad_err"] = _grad_err(g_one, g_sharded)
     return out
 
 
-def test_fp8_fsdp_gathers_weights_once_in_fp8_and_reduces_their_amaxes_once():
+def _grad_err(one, sharded):
+    import jax.numpy as jnp
+
+    return {k: float(jnp.max(jnp.abs(one[k] - sharded[k])) / jnp.max(jnp.abs(one[k]))) for k in one}
+
+
+_WEIGHT_KEYS = tuple(f"['{w}']" for w in WEIGHTS)
+
+
+@pytest.fixture(scope="module")
+def fp8_fsdp():
     import os
 
-    res = run_with_devices(os.path.abspath(__file__), N_DEVICES, timeout=900)
+    return run_with_devices(os.path.abspath(__file__), N_DEVICES, timeout=900)
+
+
+def test_fp8_fsdp_gathers_weights_once_in_fp8_and_reduces_their_amaxes_once(fp8_fsdp):
+    res = fp8_fsdp
     n_params = res["tensorwise"]["param_count"]
     cols = res["tensorwise"]["collectives"]
     weight_gathers = [
@@ -126,3 +148,21 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps(_worker()))
+
+
+@pytest.mark.parametrize("scaling", GATHERED_ONCE)
+def test_rowwise_and_blockwise_gather_each_weight_once_in_fp8(fp8_fsdp, scaling):
+    res = fp8_fsdp[scaling]
+    cols, n_params = res["collectives"], res["param_count"]
+    gathers = [c for c in cols if c[0] == "all-gather"]
+    weight_gathers = [c for c in gathers if (c[4] or "").endswith(_WEIGHT_KEYS)]
+    # One gather per weight (its later stages, if any, add the rest of it), in float8.
+    assert sorted(c[4][-6:] for c in weight_gathers) == sorted(k[-6:] for k in _WEIGHT_KEYS)
+    assert {c[1] for c in weight_gathers} == {"float8_e4m3fn"}
+    # Float8 gathers (weights, gradients), per parameter: as tensorwise's.
+    f8_bytes = sum(c[3] for c in gathers if c[1].startswith("float8"))
+    assert f8_bytes / n_params <= 1.1, gathers
+    # The sharded step is the one-device step (float32 sums in another order).
+    one, sharded = res["loss"]
+    assert abs(one - sharded) <= 1e-6 * abs(one)
+    assert max(res["grad_err"].values()) <= 1e-5, res["grad_err"]

@@ -15,6 +15,7 @@ JSON; the tests assert on it.
 import collections
 import functools
 import json
+import math
 import sys
 
 import pytest
@@ -222,6 +223,11 @@ def _shard_map_fsdp():
     return out
 
 
+# FP8's amax reductions: the weights' fused one, and the output gradients' of
+# products mapped over several batch dims (one amax per mapped slice).
+_SCALE_REDUCTIONS = ("fp8_weight_amaxes", "reduce_max")
+
+
 def _tensor_parallel():
     """Megatron tensor parallel (benchmarks/_sharding.py's layout) on a one-layer GPT."""
     import jax
@@ -243,13 +249,24 @@ def _tensor_parallel():
     settings = {
         "policy_cast": lambda p, b: loss(policy.cast_to_compute(p), b),
         "autocast": jaxamp.autocast(loss, policy),
+        "fp8": jaxamp.autocast(loss, "mixed_float8"),
     }
     out = {}
     for name, fn in settings.items():
         # Flax's layer norm promotes bfloat16 params to float32 implicitly.
         with jax.numpy_dtype_promotion("standard"):
             report = jaxamp.communication_report(jax.value_and_grad(fn), sharded, batch_sharded)
-        out[name] = {**_wire(report), "total": report.bytes_per_param()}
+        # Scalars (a loss average, activation amaxes) and vectors of amaxes.
+        scalars = sum(
+            c.bytes
+            for c in report.collectives
+            if math.prod(c.shape) == 1 or any(k in c.op_name for k in _SCALE_REDUCTIONS)
+        )
+        out[name] = {
+            **_wire(report),
+            "total": report.bytes_per_param(),
+            "without_scalars": report.bytes_per_param() - scalars / report.param_count,
+        }
     fn = jax.jit(settings["autocast"])
     out["loss_sharded"] = float(fn(sharded, batch_sharded))
     out["loss_one_device"] = float(fn(params, batch))
@@ -340,6 +357,18 @@ def test_tensor_parallel_autocast_moves_no_more_than_the_policy_cast(measured):
     assert f32 <= cast["per_param"].get("reduce float32", 0.0), (autocast, cast)
     got, want = out["loss_sharded"], out["loss_one_device"]
     assert abs(got - want) <= 2.0**-8 * abs(want)
+
+
+def test_fp8_tensor_parallel_moves_no_more_than_16_bit_autocast(measured):
+    # FP8 partial sums in the compute dtype too; the attention's products of two
+    # activations (several batch dims) stay sharded by heads, as in 16 bits.
+    out = measured["tensor_parallel"]
+    fp8, autocast = out["fp8"], out["autocast"]
+    assert fp8["without_scalars"] <= autocast["without_scalars"] + 1e-9, (fp8, autocast)
+    assert fp8["per_param"]["reduce bfloat16"] == autocast["per_param"]["reduce bfloat16"]
+    assert "all-gather bfloat16" not in fp8["per_param"], fp8
+    # The scalars (a loss average, an amax per quantized activation) and amax vectors.
+    assert fp8["total"] - fp8["without_scalars"] <= 0.01, fp8
 
 
 def _gpt_2_65m() -> dict:

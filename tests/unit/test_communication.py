@@ -132,6 +132,31 @@ ENTRY %main (w: f4e2m1fn[2,16], x: s4[3]) -> f32[] {
     assert report.bytes_per_param("all-gather", jnp.float4_e2m1fn) == 128 / 32
 
 
+def test_a_gather_in_stages_counts_the_whole_tensor_once():
+    # The partitioner gathers a dim split over two array dims in two stages;
+    # the second gathers (through a copy) what the first gathered.
+    text = """HloModule m, num_partitions=8
+
+ENTRY %main (w: f8e4m3fn[1,2,16,1,16]) -> f32[] {
+  %w = f8e4m3fn[1,2,16,1,16]{4,3,2,1,0} parameter(0), metadata={op_name="params[\\'w\\']"}
+  %one = f8e4m3fn[1,2,16,1,64]{4,3,2,1,0} all-gather(%w), dimensions={4}
+  %copy = f8e4m3fn[1,2,16,1,64]{4,3,2,1,0} copy(%one)
+  %two = f8e4m3fn[1,2,16,2,64]{4,3,2,1,0} all-gather(%copy), dimensions={3}
+  %other = f8e4m3fn[1,2,16,1,64]{4,3,2,1,0} all-gather(%w), dimensions={4}
+  ROOT %r = f32[] constant(0)
+}
+"""
+    got = [(c.shape, c.bytes, c.staged, c.parameter) for c in _collectives(text)]
+    assert got == [
+        ((1, 2, 16, 1, 64), 2048, False, "params['w']"),
+        ((1, 2, 16, 2, 64), 4096 - 2048, True, None),
+        ((1, 2, 16, 1, 64), 2048, False, "params['w']"),
+    ]
+    report = report_from_hlo(text, param_count=2 * 16 * 128)
+    # Two stages: one byte per element of the whole tensor; and the other gather.
+    assert report.bytes_per_param("all-gather") == (4096 + 2048) / (2 * 16 * 128)
+
+
 def test_one_device_program_has_no_collectives_and_counts_floating_params():
     params = {"w": jnp.ones((4, 2)), "step": jnp.zeros((), jnp.int32)}
     report = jaxamp.communication_report(lambda p, x: x @ p["w"], params, jnp.ones((3, 4)))

@@ -149,6 +149,29 @@ def test_batch_dims_and_einsum_layouts(scaling):
     assert_bf16_of(got, want)
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_two_batch_dims_are_the_product_of_the_merged_batch(scaling):
+    # Attention's scores: 'bhqd,bhkd->bhqk' is mapped over b (not merged with h,
+    # so that a sharded h stays sharded); each scale group is what the merged
+    # product's is (tensorwise: one over the whole operand and gradient).
+    x, w, g = _rand(20, (2, 3, 5, 64)), _rand(21, (2, 3, 7, 64)), _rand(22, (2, 3, 5, 7))
+    recipe = jaxamp.Float8Recipe(scaling)
+
+    def two(x, w):
+        return jnp.sum(jnp.einsum("bhqd,bhkd->bhqk", x, w).astype(jnp.float32) * g)
+
+    def merged(x, w):
+        out = jnp.einsum("nqd,nkd->nqk", x.reshape(6, 5, 64), w.reshape(6, 7, 64))
+        return jnp.sum(out.reshape(2, 3, 5, 7).astype(jnp.float32) * g)
+
+    got, want = (
+        jax.jit(jax.value_and_grad(jaxamp.autocast(f, recipe), argnums=(0, 1)))(x, w)
+        for f in (two, merged)
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+
+
 def test_conv_tensorwise_forward_and_gradients():
     x, w = _rand(16, (2, 3, 9, 9)), _rand(17, (4, 3, 3, 3), 0.2)
     g = _rand(18, (2, 4, 9, 9))
