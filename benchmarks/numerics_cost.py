@@ -14,10 +14,18 @@ what that costs on the GPT of ``benchmarks/_models.py`` under
   vs trace + compile + one call of the plain ``value_and_grad``, measured once each;
 - ``again``: ``numerics_report`` called again on the same shapes (the compiled
   program is cached: a run and the summary) vs the compiled plain step;
-- ``monitor``: a jitted step holding ``value_and_grad`` and a
+- ``host``: ``jaxamp.numerics_monitor(every=2)`` called from the host loop, then the
+  plain step, at a step that does not report (``idle``: the monitor returns at once)
+  and at one that does (``fires``: the cached report program dispatched, the plain
+  step, and ``flush()`` until the report reached the callback);
+- ``in-step``: a jitted step holding ``value_and_grad`` and a
   ``jaxamp.numerics_monitor(every=2)`` vs the plain step, at a step that does not
   report (``idle``: one untaken branch) and at one that does (``fires``: the
-  instrumented run and the host callback), timed interleaved with the others.
+  instrumented run and the host callback); ``callback only``: the same step with an
+  untaken ``lax.cond`` around a ``jax.debug.callback`` and no report program (what
+  the idle cost comes from); all timed interleaved with the others;
+- ``in-step compile ratio``: XLA's compile of the in-step step against the plain
+  step's (the host loop's train step is the plain step), once each.
 
 - ``first calls`` (``--first-calls``): the first call of ``numerics_report(grad=True)``
   against the first call of ``jax.jit(jax.value_and_grad(autocast(loss, policy)))``
@@ -89,14 +97,29 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
     run, inputs, _ = prepare(loss, (params, batch), {}, None, True, None)
     jax.block_until_ready(run(*inputs))  # compile outside the timed loop
-    monitored = _monitored_step(loss)
+    compiles = _step_compiles(loss, params, batch)
+    monitored, callback_only = _monitored_step(loss), _callback_only_step(loss)
     jax.block_until_ready(monitored(1, params, batch))  # compile
+    jax.block_until_ready(callback_only(1, params, batch))
+    host = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
+
+    def host_step(i: int) -> Any:
+        host(i, params, batch)  # the host loop: the monitor, then the plain step
+        out = plain(params, batch)
+        if i % 2 == 0:
+            host.flush()  # the report has reached the callback
+        return out
+
+    host_step(0)  # the report program is cached already: nothing compiles here
     calls = {
         "plain": lambda: plain(params, batch),
         "instrumented": lambda: run(*inputs),
         "again": lambda: jaxamp.numerics_report(loss, params, batch, grad=True),
+        "host_idle": lambda: host_step(1),
+        "host_fires": lambda: host_step(2),
         "monitor_idle": lambda: monitored(1, params, batch),
         "monitor_fires": lambda: _with_callbacks(monitored(2, params, batch)),
+        "callback_only": lambda: callback_only(1, params, batch),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for rep in range(repeats):
@@ -116,9 +139,29 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "first_call_ratio": report_first / plain_first,
         "again_s": med["again"],
         "again_ratio": med["again"] / plain_s,
+        "host_idle_ratio": med["host_idle"] / plain_s,
+        "host_fires_ratio": med["host_fires"] / plain_s,
         "monitor_idle_ratio": med["monitor_idle"] / plain_s,
         "monitor_fires_ratio": med["monitor_fires"] / plain_s,
+        "callback_only_ratio": med["callback_only"] / plain_s,
+        **compiles,
+        "in_step_compile_ratio": compiles["in_step_compile_s"] / compiles["plain_compile_s"],
     }
+
+
+def _step_compiles(loss: Any, params: Any, batch: Any) -> dict[str, float]:
+    """XLA's compile of the train step: plain (the host loop's step: the monitor is not
+    in it) and with an in-step monitor; measured once each, from fresh ``jax.jit``\\s."""
+    steps = {
+        "plain_compile_s": jax.jit(jax.value_and_grad(loss)).lower(params, batch),
+        "in_step_compile_s": _monitored_step(loss).lower(1, params, batch),
+    }
+    out = {}
+    for key, lowered in steps.items():
+        start = time.perf_counter()
+        lowered.compile()
+        out[key] = time.perf_counter() - start
+    return out
 
 
 # ----------------------------------------------------------------- first calls
@@ -277,6 +320,21 @@ def _monitored_step(loss: Any) -> Any:
     return step
 
 
+def _callback_only_step(loss: Any) -> Any:
+    """The step with what an idle in-step monitor leaves in it, less the report program:
+    a ``lax.cond`` on ``i % 2 == 0`` around a ``jax.debug.callback`` of ``i``."""
+
+    @jax.jit
+    def step(i, params, batch):
+        def report(i):
+            jax.debug.callback(lambda *_: None, i)
+
+        jax.lax.cond(i % 2 == 0, report, lambda _: None, i)
+        return jax.value_and_grad(loss)(params, batch)
+
+    return step
+
+
 def _with_callbacks(out: Any) -> Any:
     jax.block_until_ready(out)
     jax.effects_barrier()  # the report's host callback has run
@@ -293,7 +351,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def run_table(results: list[dict[str, Any]]) -> str:
     headers = ["model", "params", "ops", "plain run ms", "report run ms", "run ratio"]
-    headers += ["first call ratio", "again ratio", "monitor idle", "monitor fires"]
+    headers += ["first call ratio", "again ratio", "host idle", "host fires"]
+    headers += ["in-step idle", "in-step fires", "callback only", "in-step compile ratio"]
     rows = [
         [
             r["model"],
@@ -303,9 +362,10 @@ def run_table(results: list[dict[str, Any]]) -> str:
             1e3 * r["instrumented_run_s"],
             r["run_ratio"],
             r["first_call_ratio"],
-            r.get("again_ratio", "-"),  # runs before the cache and the monitor lack these
-            r.get("monitor_idle_ratio", "-"),
-            r.get("monitor_fires_ratio", "-"),
+            # runs before the cache, the monitor or the host loop lack these
+            *(r.get(k, "-") for k in ("again_ratio", "host_idle_ratio", "host_fires_ratio")),
+            *(r.get(k, "-") for k in ("monitor_idle_ratio", "monitor_fires_ratio")),
+            *(r.get(k, "-") for k in ("callback_only_ratio", "in_step_compile_ratio")),
         ]
         for r in results
     ]

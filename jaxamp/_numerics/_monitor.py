@@ -10,6 +10,9 @@ The object it returns has two forms, chosen by where it is called:
 - **in step** (called while ``jax.jit`` traces): the instrumented program is
   traced into the step under a ``lax.cond`` on ``step % every == 0`` and the
   report goes to a ``jax.debug.callback``.
+
+A Python int ``step`` that is not a reporting step returns at once wherever it is
+called (a step function retraced per step by a static ``step`` traces nothing).
 """
 
 from __future__ import annotations
@@ -139,7 +142,10 @@ class NumericsMonitor:
         self._delivery = Delivery(report_to)
 
     def __call__(self, step: Any, *args: Any, loss_scale: Any = None, **kwargs: Any) -> None:
-        if _from_host(step, (args, kwargs, loss_scale)):
+        host_step = not isinstance(step, bool) and isinstance(step, numbers.Integral)
+        if host_step and step % self.every:
+            return  # not a reporting step: nothing to trace, dispatch or read
+        if host_step and not _traced((args, kwargs, loss_scale)):
             self._host(int(step), args, kwargs, loss_scale)
         else:
             self._in_step(step, args, kwargs, loss_scale)
@@ -157,8 +163,6 @@ class NumericsMonitor:
         return NumericsProgram(self.fun, args, kwargs, self.policy, self.grad, self.has_aux)
 
     def _host(self, step: int, args: tuple, kwargs: dict, loss_scale: Any) -> None:
-        if step % self.every:
-            return
         program = self._program(args, kwargs)
         seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
         inputs = program.inputs(seed)
@@ -183,11 +187,9 @@ class NumericsMonitor:
         jax.lax.cond(step % self.every == 0, report, lambda *_: None, step, inputs)
 
 
-def _from_host(step: Any, rest: Any) -> bool:
-    """Whether ``step`` is a host int and nothing the monitor gets is traced."""
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        return False
-    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(rest))
+def _traced(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` is traced (the monitor is called inside ``jax.jit``)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _print_report(step: int, report: NumericsReport) -> None:
