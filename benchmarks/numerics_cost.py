@@ -97,10 +97,9 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
     run, inputs, _ = prepare(loss, (params, batch), {}, None, True, None)
     jax.block_until_ready(run(*inputs))  # compile outside the timed loop
-    compiles = _step_compiles(loss, params, batch)
-    monitored, callback_only = _monitored_step(loss), _callback_only_step(loss)
-    jax.block_until_ready(monitored(1, params, batch))  # compile
-    jax.block_until_ready(callback_only(1, params, batch))
+    compiles, monitored = _step_compiles(loss, params, batch)
+    callback_only = _callback_only_step(loss)
+    jax.block_until_ready(callback_only(1, params, batch))  # compile
     host = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
 
     def host_step(i: int) -> Any:
@@ -149,19 +148,20 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     }
 
 
-def _step_compiles(loss: Any, params: Any, batch: Any) -> dict[str, float]:
-    """XLA's compile of the train step: plain (the host loop's step: the monitor is not
-    in it) and with an in-step monitor; measured once each, from fresh ``jax.jit``\\s."""
+def _step_compiles(loss: Any, params: Any, batch: Any) -> tuple[dict[str, float], Any]:
+    """XLA's compile of the train step, plain (the host loop's step: the monitor is not
+    in it) and with an in-step monitor, once each from fresh ``jax.jit``\\s; and the
+    compiled in-step one (``step(i, params, batch)``)."""
     steps = {
         "plain_compile_s": jax.jit(jax.value_and_grad(loss)).lower(params, batch),
         "in_step_compile_s": _monitored_step(loss).lower(1, params, batch),
     }
-    out = {}
+    seconds, compiled = {}, None
     for key, lowered in steps.items():
         start = time.perf_counter()
-        lowered.compile()
-        out[key] = time.perf_counter() - start
-    return out
+        compiled = lowered.compile()
+        seconds[key] = time.perf_counter() - start
+    return seconds, compiled
 
 
 # ----------------------------------------------------------------- first calls

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from jaxamp._numerics._delivery import Delivery
 from jaxamp._numerics._numerics_report import NumericsReport
@@ -189,7 +190,7 @@ class NumericsMonitor:
 
 def _traced(tree: Any) -> bool:
     """Whether a leaf of ``tree`` is traced (the monitor is called inside ``jax.jit``)."""
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
 
 
 def _print_report(step: int, report: NumericsReport) -> None:
