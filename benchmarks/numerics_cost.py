@@ -17,7 +17,9 @@ what that costs on the GPT of ``benchmarks/_models.py`` under
 - ``host``: ``jaxamp.numerics_monitor(every=2)`` called from the host loop, then the
   plain step, at a step that does not report (``idle``: the monitor returns at once)
   and at one that does (``fires``: the cached report program dispatched, the plain
-  step, and ``flush()`` until the report reached the callback);
+  step, and ``flush()`` until the report reached the callback); ``host idle call``:
+  the plain step plus one idle call of the monitor timed on its own (1000 calls),
+  which the noise of timing whole steps on shared cores hides;
 - ``in-step``: a jitted step holding ``value_and_grad`` and a
   ``jaxamp.numerics_monitor(every=2)`` vs the plain step, at a step that does not
   report (``idle``: one untaken branch) and at one that does (``fires``: the
@@ -126,6 +128,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
             times[variant].append(_timed(calls[variant]))
     med = {k: _harness.median(v) for k, v in times.items()}
     plain_s, instrumented_s = med["plain"], med["instrumented"]
+    idle_call_s = _idle_call(host, params, batch)
     return {
         "model": name,
         "n_params": n_params,
@@ -139,6 +142,8 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "again_s": med["again"],
         "again_ratio": med["again"] / plain_s,
         "host_idle_ratio": med["host_idle"] / plain_s,
+        "host_idle_call_s": idle_call_s,
+        "host_idle_call_ratio": (plain_s + idle_call_s) / plain_s,
         "host_fires_ratio": med["host_fires"] / plain_s,
         "monitor_idle_ratio": med["monitor_idle"] / plain_s,
         "monitor_fires_ratio": med["monitor_fires"] / plain_s,
@@ -146,6 +151,19 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         **compiles,
         "in_step_compile_ratio": compiles["in_step_compile_s"] / compiles["plain_compile_s"],
     }
+
+
+def _idle_call(monitor: Any, params: Any, batch: Any, calls: int = 1000) -> float:
+    """Seconds of one call of the host-loop monitor on a step that does not report
+    (median of 5 runs of ``calls`` calls): what it adds to a step, without the noise
+    of timing the step around it."""
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            monitor(1, params, batch)
+        runs.append((time.perf_counter() - start) / calls)
+    return _harness.median(runs)
 
 
 def _step_compiles(loss: Any, params: Any, batch: Any) -> tuple[dict[str, float], Any]:
@@ -351,7 +369,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def run_table(results: list[dict[str, Any]]) -> str:
     headers = ["model", "params", "ops", "plain run ms", "report run ms", "run ratio"]
-    headers += ["first call ratio", "again ratio", "host idle", "host fires"]
+    headers += ["first call ratio", "again ratio", "host idle", "host idle call", "host fires"]
     headers += ["in-step idle", "in-step fires", "callback only", "in-step compile ratio"]
     rows = [
         [
@@ -363,7 +381,8 @@ def run_table(results: list[dict[str, Any]]) -> str:
             r["run_ratio"],
             r["first_call_ratio"],
             # runs before the cache, the monitor or the host loop lack these
-            *(r.get(k, "-") for k in ("again_ratio", "host_idle_ratio", "host_fires_ratio")),
+            *(r.get(k, "-") for k in ("again_ratio", "host_idle_ratio")),
+            *(r.get(k, "-") for k in ("host_idle_call_ratio", "host_fires_ratio")),
             *(r.get(k, "-") for k in ("monitor_idle_ratio", "monitor_fires_ratio")),
             *(r.get(k, "-") for k in ("callback_only_ratio", "in_step_compile_ratio")),
         ]
