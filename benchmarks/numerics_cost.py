@@ -40,6 +40,7 @@ what that costs on the GPT of ``benchmarks/_models.py`` under
     python -m benchmarks.numerics_cost            # full run
     python -m benchmarks.numerics_cost --first-calls --models   # only the first calls
     python -m benchmarks.numerics_cost --smoke    # seconds
+    python -m benchmarks.numerics_cost --where --models larger   # where the run goes
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from benchmarks import _harness, _models
+from benchmarks import _harness, _models, _monitor_steps, _numerics_parts
 from jaxamp._numerics._api import prepare
 from jaxamp._numerics._compiled import cache_clear
 
@@ -99,8 +100,8 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
     run, inputs, _ = prepare(loss, (params, batch), {}, None, True, None)
     jax.block_until_ready(run(*inputs))  # compile outside the timed loop
-    compiles, monitored = _step_compiles(loss, params, batch)
-    callback_only = _callback_only_step(loss)
+    compiles, monitored = _monitor_steps.step_compiles(loss, params, batch)
+    callback_only = _monitor_steps.callback_only_step(loss)
     jax.block_until_ready(callback_only(1, params, batch))  # compile
     host = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
 
@@ -119,7 +120,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "host_idle": lambda: host_step(1),
         "host_fires": lambda: host_step(2),
         "monitor_idle": lambda: monitored(1, params, batch),
-        "monitor_fires": lambda: _with_callbacks(monitored(2, params, batch)),
+        "monitor_fires": lambda: _monitor_steps.with_callbacks(monitored(2, params, batch)),
         "callback_only": lambda: callback_only(1, params, batch),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
@@ -128,7 +129,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
             times[variant].append(_timed(calls[variant]))
     med = {k: _harness.median(v) for k, v in times.items()}
     plain_s, instrumented_s = med["plain"], med["instrumented"]
-    idle_call_s = _idle_call(host, params, batch)
+    idle_call_s = _monitor_steps.idle_call(host, params, batch)
     return {
         "model": name,
         "n_params": n_params,
@@ -151,35 +152,6 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         **compiles,
         "in_step_compile_ratio": compiles["in_step_compile_s"] / compiles["plain_compile_s"],
     }
-
-
-def _idle_call(monitor: Any, params: Any, batch: Any, calls: int = 1000) -> float:
-    """Seconds of one call of the host-loop monitor on a step that does not report
-    (median of 5 runs of ``calls`` calls): what it adds to a step, without the noise
-    of timing the step around it."""
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            monitor(1, params, batch)
-        runs.append((time.perf_counter() - start) / calls)
-    return _harness.median(runs)
-
-
-def _step_compiles(loss: Any, params: Any, batch: Any) -> tuple[dict[str, float], Any]:
-    """XLA's compile of the train step, plain (the host loop's step: the monitor is not
-    in it) and with an in-step monitor, once each from fresh ``jax.jit``\\s; and the
-    compiled in-step one (``step(i, params, batch)``)."""
-    steps = {
-        "plain_compile_s": jax.jit(jax.value_and_grad(loss)).lower(params, batch),
-        "in_step_compile_s": _monitored_step(loss).lower(1, params, batch),
-    }
-    seconds, compiled = {}, None
-    for key, lowered in steps.items():
-        start = time.perf_counter()
-        compiled = lowered.compile()
-        seconds[key] = time.perf_counter() - start
-    return seconds, compiled
 
 
 # ----------------------------------------------------------------- first calls
@@ -326,44 +298,13 @@ def first_call_table(results: list[dict[str, Any]]) -> str:
     return _harness.format_table(headers, rows)
 
 
-def _monitored_step(loss: Any) -> Any:
-    """``jit(step, params, batch)``: value_and_grad, with a report every 2 steps."""
-    monitor = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
-
-    @jax.jit
-    def step(i, params, batch):
-        monitor(i, params, batch)
-        return jax.value_and_grad(loss)(params, batch)
-
-    return step
-
-
-def _callback_only_step(loss: Any) -> Any:
-    """The step with what an idle in-step monitor leaves in it, less the report program:
-    a ``lax.cond`` on ``i % 2 == 0`` around a ``jax.debug.callback`` of ``i``."""
-
-    @jax.jit
-    def step(i, params, batch):
-        def report(i):
-            jax.debug.callback(lambda *_: None, i)
-
-        jax.lax.cond(i % 2 == 0, report, lambda _: None, i)
-        return jax.value_and_grad(loss)(params, batch)
-
-    return step
-
-
-def _with_callbacks(out: Any) -> Any:
-    jax.block_until_ready(out)
-    jax.effects_barrier()  # the report's host callback has run
-    return out
-
-
 def table(results: list[dict[str, Any]]) -> str:
-    """The run table and the first-call table, for the rows a result file holds."""
+    """The run, first-call and ``--where`` tables, for the rows a result file holds."""
     runs = [r for r in results if "run_ratio" in r]
     firsts = [r for r in results if "policy" in r]
+    wheres = [r for r in results if r.get("part") == "where"]
     parts = ([run_table(runs)] if runs else []) + ([first_call_table(firsts)] if firsts else [])
+    parts += [_numerics_parts.table(wheres)] if wheres else []
     return "\n\n".join(parts)
 
 
@@ -398,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "--models", nargs="*", choices=list(CONFIGS), default=None, help="configs to run"
         )
         parser.add_argument("--first-calls", action="store_true", help="also the first-call matrix")
+        parser.add_argument(
+            "--where", action="store_true", help="only the report program without each part"
+        )
         parser.add_argument("--first-repeats", type=int, default=3, help="cold first calls")
         parser.add_argument(
             "--first-models",
@@ -412,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _harness.parse_args(__doc__.split("\n\n")[0], argv, extra)
     repeats = args.repeats or (3 if args.smoke else 10)
     names = ["smoke"] if args.smoke else (list(CONFIGS) if args.models is None else args.models)
+    if args.where:
+        return _where(args, names, repeats)
     results = [measure(name, repeats) for name in names]
     if results:
         print(run_table(results))
@@ -427,6 +373,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 _harness.save(NAME, NAME, args, config, results + firsts)
         print(first_call_table(firsts))
     return _harness.save(NAME, NAME, args, config, results + firsts)
+
+
+def _where(args: Any, names: list[str], repeats: int) -> dict[str, Any]:
+    """``--where``: the run of the report's program without each part (``_numerics_parts``)."""
+    results = []
+    for name in names:
+        fun, params, batch, _ = _workload(name)
+        loss = jaxamp.autocast(fun, POLICY)
+        results.append(_numerics_parts.measure(name, loss, params, batch, repeats))
+    print(_numerics_parts.table(results))
+    config = {"policy": POLICY, "repeats": repeats, "variants": list(_numerics_parts.VARIANTS)}
+    return _harness.save(NAME, f"{NAME}_where", args, config, results)
 
 
 if __name__ == "__main__":
