@@ -13,6 +13,8 @@ report can say (the variants are for timing only):
 - ``no shadow``: no float32 shadow along the program either (``max_abs_float32``,
   ``lost_fraction``, the suggested loss scale need it); what is left is every op's
   output kept unfused and reduced.
+
+Each variant's build (trace, compile, first run) is timed once too.
 """
 
 from __future__ import annotations
@@ -52,11 +54,14 @@ def measure(name: str, loss: Any, params: Any, batch: Any, repeats: int) -> dict
     plain = jax.jit(jax.value_and_grad(loss))
     jax.block_until_ready(plain(params, batch))
     calls = {"plain": lambda: plain(params, batch)}
+    build_s = {}
     for variant in VARIANTS:
         cache_clear()
+        start = time.perf_counter()
         with _without(variant):
             run, inputs, _ = prepare(loss, (params, batch), {}, None, True, None)
         jax.block_until_ready(run(*inputs))
+        build_s[variant] = time.perf_counter() - start  # trace, compile, first run
         calls[variant] = lambda run=run, inputs=inputs: run(*inputs)
     cache_clear()
     times: dict[str, list[float]] = {k: [] for k in calls}
@@ -71,12 +76,19 @@ def measure(name: str, loss: Any, params: Any, batch: Any, repeats: int) -> dict
         "part": "where",
         "plain_run_s": med["plain"],
         **{f"{v} ratio": med[v] / med["plain"] for v in VARIANTS},
+        "build_s": build_s,
     }
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    headers = ["model", "plain run ms", *(f"{v}" for v in VARIANTS)]
+    headers = ["model", "plain run ms", *VARIANTS, *(f"{v} build s" for v in VARIANTS)]
     rows = [
-        [r["model"], 1e3 * r["plain_run_s"], *(r[f"{v} ratio"] for v in VARIANTS)] for r in results
+        [
+            r["model"],
+            1e3 * r["plain_run_s"],
+            *(r[f"{v} ratio"] for v in VARIANTS),
+            *(r.get("build_s", {}).get(v, "-") for v in VARIANTS),
+        ]
+        for r in results
     ]
     return _harness.format_table(headers, rows)
