@@ -14,10 +14,20 @@ what that costs on the GPT of ``benchmarks/_models.py`` under
   vs trace + compile + one call of the plain ``value_and_grad``, measured once each;
 - ``again``: ``numerics_report`` called again on the same shapes (the compiled
   program is cached: a run and the summary) vs the compiled plain step;
-- ``monitor``: a jitted step holding ``value_and_grad`` and a
+- ``host``: ``jaxamp.numerics_monitor(every=2)`` called from the host loop, then the
+  plain step, at a step that does not report (``idle``: the monitor returns at once)
+  and at one that does (``fires``: the cached report program dispatched, the plain
+  step, and ``flush()`` until the report reached the callback); ``host idle call``:
+  the plain step plus one idle call of the monitor timed on its own (1000 calls),
+  which the noise of timing whole steps on shared cores hides;
+- ``in-step``: a jitted step holding ``value_and_grad`` and a
   ``jaxamp.numerics_monitor(every=2)`` vs the plain step, at a step that does not
   report (``idle``: one untaken branch) and at one that does (``fires``: the
-  instrumented run and the host callback), timed interleaved with the others.
+  instrumented run and the host callback); ``callback only``: the same step with an
+  untaken ``lax.cond`` around a ``jax.debug.callback`` and no report program (what
+  the idle cost comes from); all timed interleaved with the others;
+- ``in-step compile ratio``: XLA's compile of the in-step step against the plain
+  step's (the host loop's train step is the plain step), once each.
 
 - ``first calls`` (``--first-calls``): the first call of ``numerics_report(grad=True)``
   against the first call of ``jax.jit(jax.value_and_grad(autocast(loss, policy)))``
@@ -30,6 +40,7 @@ what that costs on the GPT of ``benchmarks/_models.py`` under
     python -m benchmarks.numerics_cost            # full run
     python -m benchmarks.numerics_cost --first-calls --models   # only the first calls
     python -m benchmarks.numerics_cost --smoke    # seconds
+    python -m benchmarks.numerics_cost --where --models larger   # where the run goes
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from benchmarks import _harness, _models
+from benchmarks import _harness, _models, _monitor_steps, _numerics_parts
 from jaxamp._numerics._api import prepare
 from jaxamp._numerics._compiled import cache_clear
 
@@ -89,14 +100,28 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
     run, inputs, _ = prepare(loss, (params, batch), {}, None, True, None)
     jax.block_until_ready(run(*inputs))  # compile outside the timed loop
-    monitored = _monitored_step(loss)
-    jax.block_until_ready(monitored(1, params, batch))  # compile
+    compiles, monitored = _monitor_steps.step_compiles(loss, params, batch)
+    callback_only = _monitor_steps.callback_only_step(loss)
+    jax.block_until_ready(callback_only(1, params, batch))  # compile
+    host = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
+
+    def host_step(i: int) -> Any:
+        host(i, params, batch)  # the host loop: the monitor, then the plain step
+        out = plain(params, batch)
+        if i % 2 == 0:
+            host.flush()  # the report has reached the callback
+        return out
+
+    host_step(0)  # the report program is cached already: nothing compiles here
     calls = {
         "plain": lambda: plain(params, batch),
         "instrumented": lambda: run(*inputs),
         "again": lambda: jaxamp.numerics_report(loss, params, batch, grad=True),
+        "host_idle": lambda: host_step(1),
+        "host_fires": lambda: host_step(2),
         "monitor_idle": lambda: monitored(1, params, batch),
-        "monitor_fires": lambda: _with_callbacks(monitored(2, params, batch)),
+        "monitor_fires": lambda: _monitor_steps.with_callbacks(monitored(2, params, batch)),
+        "callback_only": lambda: callback_only(1, params, batch),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for rep in range(repeats):
@@ -104,6 +129,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
             times[variant].append(_timed(calls[variant]))
     med = {k: _harness.median(v) for k, v in times.items()}
     plain_s, instrumented_s = med["plain"], med["instrumented"]
+    idle_call_s = _monitor_steps.idle_call(host, params, batch)
     return {
         "model": name,
         "n_params": n_params,
@@ -116,8 +142,15 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         "first_call_ratio": report_first / plain_first,
         "again_s": med["again"],
         "again_ratio": med["again"] / plain_s,
+        "host_idle_ratio": med["host_idle"] / plain_s,
+        "host_idle_call_s": idle_call_s,
+        "host_idle_call_ratio": (plain_s + idle_call_s) / plain_s,
+        "host_fires_ratio": med["host_fires"] / plain_s,
         "monitor_idle_ratio": med["monitor_idle"] / plain_s,
         "monitor_fires_ratio": med["monitor_fires"] / plain_s,
+        "callback_only_ratio": med["callback_only"] / plain_s,
+        **compiles,
+        "in_step_compile_ratio": compiles["in_step_compile_s"] / compiles["plain_compile_s"],
     }
 
 
@@ -265,35 +298,20 @@ def first_call_table(results: list[dict[str, Any]]) -> str:
     return _harness.format_table(headers, rows)
 
 
-def _monitored_step(loss: Any) -> Any:
-    """``jit(step, params, batch)``: value_and_grad, with a report every 2 steps."""
-    monitor = jaxamp.numerics_monitor(loss, every=2, grad=True, callback=lambda *_: None)
-
-    @jax.jit
-    def step(i, params, batch):
-        monitor(i, params, batch)
-        return jax.value_and_grad(loss)(params, batch)
-
-    return step
-
-
-def _with_callbacks(out: Any) -> Any:
-    jax.block_until_ready(out)
-    jax.effects_barrier()  # the report's host callback has run
-    return out
-
-
 def table(results: list[dict[str, Any]]) -> str:
-    """The run table and the first-call table, for the rows a result file holds."""
+    """The run, first-call and ``--where`` tables, for the rows a result file holds."""
     runs = [r for r in results if "run_ratio" in r]
     firsts = [r for r in results if "policy" in r]
+    wheres = [r for r in results if r.get("part") == "where"]
     parts = ([run_table(runs)] if runs else []) + ([first_call_table(firsts)] if firsts else [])
+    parts += [_numerics_parts.table(wheres)] if wheres else []
     return "\n\n".join(parts)
 
 
 def run_table(results: list[dict[str, Any]]) -> str:
     headers = ["model", "params", "ops", "plain run ms", "report run ms", "run ratio"]
-    headers += ["first call ratio", "again ratio", "monitor idle", "monitor fires"]
+    headers += ["first call ratio", "again ratio", "host idle", "host idle call", "host fires"]
+    headers += ["in-step idle", "in-step fires", "callback only", "in-step compile ratio"]
     rows = [
         [
             r["model"],
@@ -303,9 +321,11 @@ def run_table(results: list[dict[str, Any]]) -> str:
             1e3 * r["instrumented_run_s"],
             r["run_ratio"],
             r["first_call_ratio"],
-            r.get("again_ratio", "-"),  # runs before the cache and the monitor lack these
-            r.get("monitor_idle_ratio", "-"),
-            r.get("monitor_fires_ratio", "-"),
+            # runs before the cache, the monitor or the host loop lack these
+            *(r.get(k, "-") for k in ("again_ratio", "host_idle_ratio")),
+            *(r.get(k, "-") for k in ("host_idle_call_ratio", "host_fires_ratio")),
+            *(r.get(k, "-") for k in ("monitor_idle_ratio", "monitor_fires_ratio")),
+            *(r.get(k, "-") for k in ("callback_only_ratio", "in_step_compile_ratio")),
         ]
         for r in results
     ]
@@ -319,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "--models", nargs="*", choices=list(CONFIGS), default=None, help="configs to run"
         )
         parser.add_argument("--first-calls", action="store_true", help="also the first-call matrix")
+        parser.add_argument(
+            "--where", action="store_true", help="only the report program without each part"
+        )
         parser.add_argument("--first-repeats", type=int, default=3, help="cold first calls")
         parser.add_argument(
             "--first-models",
@@ -333,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _harness.parse_args(__doc__.split("\n\n")[0], argv, extra)
     repeats = args.repeats or (3 if args.smoke else 10)
     names = ["smoke"] if args.smoke else (list(CONFIGS) if args.models is None else args.models)
+    if args.where:
+        return _where(args, names, repeats)
     results = [measure(name, repeats) for name in names]
     if results:
         print(run_table(results))
@@ -348,6 +373,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 _harness.save(NAME, NAME, args, config, results + firsts)
         print(first_call_table(firsts))
     return _harness.save(NAME, NAME, args, config, results + firsts)
+
+
+def _where(args: Any, names: list[str], repeats: int) -> dict[str, Any]:
+    """``--where``: the run of the report's program without each part (``_numerics_parts``)."""
+    results = []
+    for name in names:
+        fun, params, batch, _ = _workload(name)
+        loss = jaxamp.autocast(fun, POLICY)
+        results.append(_numerics_parts.measure(name, loss, params, batch, repeats))
+    print(_numerics_parts.table(results))
+    config = {"policy": POLICY, "repeats": repeats, "variants": list(_numerics_parts.VARIANTS)}
+    return _harness.save(NAME, f"{NAME}_where", args, config, results)
 
 
 if __name__ == "__main__":

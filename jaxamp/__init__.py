@@ -36,7 +36,13 @@ from jaxamp._loss_scaling import (
 )
 from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer, stochastic_round
 from jaxamp._matmuls import precision_report
-from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics_report
+from jaxamp._numerics import (
+    NumericsMonitor,
+    NumericsReport,
+    OpStats,
+    numerics_monitor,
+    numerics_report,
+)
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._precision_report import MatmulInfo, PrecisionReport
 from jaxamp._version import __version__
@@ -64,6 +70,7 @@ __all__ = [
     "LowPrecisionState",
     "MatmulInfo",
     "NoOpLossScale",
+    "NumericsMonitor",
     "NumericsReport",
     "OpStats",
     "Policy",

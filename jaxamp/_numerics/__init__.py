@@ -4,7 +4,14 @@ See README.md in this folder for how it works and how to extend it.
 """
 
 from jaxamp._numerics._api import numerics_report
-from jaxamp._numerics._monitor import numerics_monitor
+from jaxamp._numerics._monitor import NumericsMonitor, numerics_monitor
 from jaxamp._numerics._numerics_report import SAFETY_FACTOR, NumericsReport, OpStats
 
-__all__ = ["SAFETY_FACTOR", "NumericsReport", "OpStats", "numerics_monitor", "numerics_report"]
+__all__ = [
+    "SAFETY_FACTOR",
+    "NumericsMonitor",
+    "NumericsReport",
+    "OpStats",
+    "numerics_monitor",
+    "numerics_report",
+]

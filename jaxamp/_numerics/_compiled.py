@@ -107,7 +107,10 @@ _LOCK = threading.Lock()
 def _aval_key(x: Any) -> tuple:
     # str(dtype), not np.dtype(...).str: a typed PRNG key's dtype (key<fry>) is no
     # NumPy dtype, and the extended float types share one ('<V1' for every float8).
-    return (np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False)))
+    # The sharding too: a compiled program takes its arguments as it was compiled for
+    # them (a sharded train step's parameters, or the same shapes on one device).
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+    return (np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False)), sharding)
 
 
 def cache_key(fun, policy, grad, has_aux, treedef, static, dynamic) -> Hashable | None:

@@ -19,6 +19,7 @@ loops or host syncs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ from jaxamp._numerics._sites import (
     site_key,
 )
 from jaxamp._numerics._stats import Output
-from jaxamp._numerics._table import Ref, Scope, empty_table
+from jaxamp._numerics._table import Ref, Scope, empty_table, stack_limit
 
 __all__ = ["Recorder", "all_finite_flag", "instrumented"]
 
@@ -163,7 +164,7 @@ class Recorder:
         return jnp.asarray(base, jnp.int32) + offset
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
-        scope = Scope(keys, packed, iteration)
+        scope = Scope(keys, packed, iteration, self.scope.stack_max)
         return Recorder(
             self.sites, scope, clock, self.reached, self.quantizing, self.materialize, self.facts
         )
@@ -380,9 +381,10 @@ def instrumented(closed, sites: Sequence[Site], materialize: bool = False) -> Ca
     ``materialize``: each measured value in a buffer of its own (``Recorder.measure``)."""
     by_key = {site.key: site for site in sites}
     keys = list(by_key)
+    stack_max = stack_limit(sum(math.prod(site.shape) for site in sites))
 
     def run(*args):
-        scope = Scope(keys, empty_table(len(keys)), jnp.int32(-1))
+        scope = Scope(keys, empty_table(len(keys)), jnp.int32(-1), stack_max)
         rec = Recorder(by_key, scope, 0, set(), materialize=materialize)
         rec.run(closed, _vals(args, [None] * len(args)), ())
         rec.finished([])

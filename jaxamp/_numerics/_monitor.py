@@ -1,18 +1,36 @@
-"""``jaxamp.numerics_monitor``: a numerics report every N steps, from inside a jitted step."""
+"""``jaxamp.numerics_monitor``: a numerics report every N steps, from the host loop or in a step.
+
+The object it returns has two forms, chosen by where it is called:
+
+- **host loop** (``step`` a Python or NumPy int, no argument traced): on every
+  ``every``-th step it dispatches the cached compiled program of
+  :func:`jaxamp.numerics_report` and hands its device arrays to ``_delivery``'s
+  worker thread, which reads them back and calls the callback; on the other
+  steps it returns before touching any array. The train step is not changed.
+- **in step** (called while ``jax.jit`` traces): the instrumented program is
+  traced into the step under a ``lax.cond`` on ``step % every == 0`` and the
+  report goes to a ``jax.debug.callback``.
+
+A Python int ``step`` that is not a reporting step returns at once wherever it is
+called (a step function retraced per step by a static ``step`` traces nothing).
+"""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
+from jaxamp._numerics._delivery import Delivery
 from jaxamp._numerics._numerics_report import NumericsReport
 from jaxamp._numerics._program import NumericsProgram, check_options
 from jaxamp._resolve import resolved_spec
 
-__all__ = ["numerics_monitor"]
+__all__ = ["NumericsMonitor", "numerics_monitor"]
 
 
 def numerics_monitor(
@@ -23,15 +41,27 @@ def numerics_monitor(
     grad: bool = False,
     has_aux: bool = False,
     callback: Callable[[int, NumericsReport], Any] | None = None,
-) -> Callable[..., None]:
-    """A function to call inside a jitted train step: a report every ``every`` steps.
+) -> NumericsMonitor:
+    """A numerics report every ``every`` steps, from the host loop or inside a jitted step.
 
-    ``monitor(step, *args, loss_scale=None, **kwargs)`` traces the instrumented
-    program of :func:`jaxamp.numerics_report` into the step, under a
-    ``lax.cond`` on ``step % every == 0``: on the other steps it costs a branch,
-    and on those steps one instrumented run and a host callback (no recompile
-    when the loss scale changes: it is a traced argument). The report goes to
-    ``callback(step, report)`` on the host (default: print it).
+    ``monitor(step, *args, loss_scale=None, **kwargs)`` measures ``fun(*args,
+    **kwargs)`` as :func:`jaxamp.numerics_report` does on the steps where
+    ``step % every == 0`` and sends the report to ``callback(step, report)``
+    (default: print it). Where it is called decides how:
+
+    - **From the host loop** (``step`` a Python int, outside ``jax.jit``): the
+      steps that do not report cost nothing (no device work, no host sync, the
+      train step unchanged); a reporting step dispatches the compiled program
+      ``numerics_report`` caches (compiled on the first one) and returns while it
+      runs; a worker thread reads the statistics back and calls ``callback``.
+      :meth:`NumericsMonitor.flush` waits for the reports dispatched so far.
+      The form for a long run.
+    - **Inside a jitted step** (any argument traced): the instrumented program is
+      traced into the step under a ``lax.cond`` on ``step % every == 0``; the other
+      steps cost an untaken branch, and the step's compile includes the
+      program's. The callback is a ``jax.debug.callback``
+      (``jax.effects_barrier()`` waits for it). No recompile when the loss scale
+      changes: it is a traced argument.
 
     Args:
       fun: the loss (or model) as for :func:`jaxamp.numerics_report`.
@@ -42,12 +72,15 @@ def numerics_monitor(
       callback: called on the host with the step number and the report.
 
     Returns:
-      ``monitor(step, *args, loss_scale=None, **kwargs) -> None``; ``loss_scale``
-      may be a traced scalar (e.g. the dynamic loss scale of the optimizer state).
+      A :class:`jaxamp.NumericsMonitor`: ``monitor(step, *args, loss_scale=None,
+      **kwargs) -> None``; ``loss_scale`` may be an array (e.g. the dynamic loss
+      scale of the optimizer state), traced inside a step.
 
     Raises:
       TypeError: ``fun`` or ``callback`` is not callable, a bad ``has_aux``.
       ValueError: ``every`` is not a positive int.
+
+    Inside a jitted step:
 
     >>> import jax, jax.numpy as jnp, jaxamp
     >>> seen = []
@@ -63,6 +96,17 @@ def numerics_monitor(
     ...     w = step(i, w)
     >>> jax.effects_barrier(); seen
     [(0, 'integer_pow'), (2, 'integer_pow')]
+
+    From the host loop (the train step is a plain jitted function):
+
+    >>> seen.clear()
+    >>> train = jax.jit(lambda w: w * 2)
+    >>> w = jnp.ones(3, jnp.float16)
+    >>> for i in range(3):
+    ...     monitor(i, w)  # steps 0 and 2 dispatch the report's program; step 1 nothing
+    ...     w = train(w)
+    >>> monitor.flush(); seen
+    [(0, 'integer_pow'), (2, 'integer_pow')]
     """
     check_options(fun, has_aux)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -71,12 +115,67 @@ def numerics_monitor(
         raise TypeError(f"callback must be callable or None; got {callback!r}.")
     resolved = resolved_spec(policy) if policy is not None else None
     report_to = callback if callback is not None else _print_report
+    return NumericsMonitor(fun, every, resolved, grad, has_aux, report_to)
 
-    def monitor(step: Any, *args: Any, loss_scale: Any = None, **kwargs: Any) -> None:
-        program = NumericsProgram(fun, args, kwargs, resolved, grad, has_aux)
+
+class NumericsMonitor:
+    """What :func:`jaxamp.numerics_monitor` returns: call it every step.
+
+    ``monitor(step, *args, loss_scale=None, **kwargs)`` reports on the steps where
+    ``step % every == 0``: from the host loop when ``step`` is a Python (or NumPy)
+    int and no argument is traced, else traced into the jitted step that calls it
+    (see :func:`jaxamp.numerics_monitor`).
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> seen = []
+    >>> monitor = jaxamp.numerics_monitor(
+    ...     lambda w: jnp.sum(w), every=10, callback=lambda step, r: seen.append(step))
+    >>> for step in range(25):
+    ...     monitor(step, jnp.ones(4, jnp.bfloat16))
+    >>> monitor.flush(); seen
+    [0, 10, 20]
+    """
+
+    def __init__(self, fun, every: int, policy, grad: bool, has_aux: bool, report_to) -> None:
+        self.fun, self.every, self.policy = fun, every, policy
+        self.grad, self.has_aux = grad, has_aux
+        self._report_to = report_to
+        self._delivery = Delivery(report_to)
+
+    def __call__(self, step: Any, *args: Any, loss_scale: Any = None, **kwargs: Any) -> None:
+        host_step = not isinstance(step, bool) and isinstance(step, numbers.Integral)
+        if host_step and step % self.every:
+            return  # not a reporting step: nothing to trace, dispatch or read
+        if host_step and not _traced((args, kwargs, loss_scale)):
+            self._host(int(step), args, kwargs, loss_scale)
+        else:
+            self._in_step(step, args, kwargs, loss_scale)
+
+    def flush(self) -> None:
+        """Waits until the callback has had every report dispatched from the host loop.
+
+        Raises:
+          Exception: the first exception the callback raised since the last ``flush``
+            (the reports after it were still delivered).
+        """
+        self._delivery.flush()
+
+    def _program(self, args: tuple, kwargs: dict) -> NumericsProgram:
+        return NumericsProgram(self.fun, args, kwargs, self.policy, self.grad, self.has_aux)
+
+    def _host(self, step: int, args: tuple, kwargs: dict, loss_scale: Any) -> None:
+        program = self._program(args, kwargs)
+        seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
+        inputs = program.inputs(seed)
+        compiled = program.compiled(inputs)
+        self._delivery.put(step, compiled, compiled.run(*inputs), seed if self.grad else None)
+
+    def _in_step(self, step: Any, args: tuple, kwargs: dict, loss_scale: Any) -> None:
+        program = self._program(args, kwargs)
         seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
         inputs = program.inputs(seed)
         traced = program.traced(inputs)
+        grad, report_to = self.grad, self._report_to
 
         def host(step, floats, ints, finite, scale):
             scale = float(scale) if grad else None
@@ -86,9 +185,12 @@ def numerics_monitor(
             jax.debug.callback(host, step, *traced.run(*inputs), seed)
 
         step = jnp.asarray(step)
-        jax.lax.cond(step % every == 0, report, lambda *_: None, step, inputs)
+        jax.lax.cond(step % self.every == 0, report, lambda *_: None, step, inputs)
 
-    return monitor
+
+def _traced(tree: Any) -> bool:
+    """Whether a leaf of ``tree`` is traced (the monitor is called inside ``jax.jit``)."""
+    return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
 
 
 def _print_report(step: int, report: NumericsReport) -> None:

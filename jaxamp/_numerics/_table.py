@@ -12,7 +12,8 @@ cond) and reduces them at its end (``flush``):
   their float32 twins), each statistic's per-element map is computed once over
   it, and one variadic reduction gives every statistic of ``_stats.STATISTICS``
   for every row (``_stats.Elements``, ``_stats.reduce_rows``): a few kernels per
-  distinct size, not several per output;
+  distinct size, not several per output; an output over ``STACK_MAX_ELEMENTS``
+  is reduced alone, its own one-row ``Elements``;
 - a value-preserving op (reshape, broadcast) is an entry pointing at its
   source's measurement (``_stats.Statistic.moved``, which composes along a
   chain of such ops);
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._numerics import _quantized
+from jaxamp._numerics import _compiled, _quantized
 from jaxamp._numerics._stats import (
     EMPTY,
     NEVER,
@@ -47,7 +48,22 @@ from jaxamp._numerics._stats import (
     reduce_rows,
 )
 
-__all__ = ["Ref", "Scope", "empty_table", "host_flag"]
+__all__ = ["STACK_MAX_ELEMENTS", "Ref", "Scope", "empty_table", "host_flag", "stack_limit"]
+
+# In a program of over ``_compiled.FAST_COMPILE_VALUES`` measured values (one
+# compiled for its run time), outputs of up to this many elements are stacked with
+# the others of their size and a larger one is reduced on its own, in one kernel
+# that reads it once: stacking copies every value into a float32 array (its shadow
+# and twin too), which for large outputs costs more run time than the kernels it
+# saves cost compile time (BENCHMARKS.md, "numerics_report: where the instrumented
+# run goes"). A smaller program, whose compile is most of a report, stacks all.
+STACK_MAX_ELEMENTS = 2**14
+
+
+def stack_limit(values: int) -> float:
+    """The largest output a program measuring ``values`` values stacks with others."""
+    return STACK_MAX_ELEMENTS if values > _compiled.FAST_COMPILE_VALUES else float("inf")
+
 
 _FLOATS = [i for i, s in enumerate(STATISTICS) if s.dtype == np.float32]
 _INTS = [i for i, s in enumerate(STATISTICS) if s.dtype == np.int32]
@@ -89,8 +105,11 @@ class _Entry(NamedTuple):
 class Scope:
     """The table of the sites ``keys`` and what one evaluation measured for them."""
 
-    def __init__(self, keys: Sequence[tuple], table: tuple[Any, Any], iteration: Any):
+    def __init__(
+        self, keys: Sequence[tuple], table: tuple[Any, Any], iteration: Any, stack_max: float
+    ):
         self.row = {key: i for i, key in enumerate(keys)}
+        self.stack_max = stack_max  # outputs of more elements are reduced alone
         self.floats, self.ints = table
         self.iteration = iteration
         self.entries: list[_Entry] = []
@@ -162,9 +181,11 @@ class Scope:
         # FP4 quantizations apart: their rows map their ``Facts`` (``_quantized``).
         groups: dict[tuple, list[int]] = collections.defaultdict(list)
         for i, output in measured.items():
-            groups[output.out.size, output.quantized is not None].append(i)
+            size = output.out.size
+            alone = i if size > self.stack_max else None  # reduced on its own
+            groups[size, output.quantized is not None, alone].append(i)
         order, parts = [], []
-        for (_, quantized), members in groups.items():
+        for (_, quantized, _), members in groups.items():
             order += members
             rows = [measured[i] for i in members]
             parts.append(reduce_rows((_quantized.Elements if quantized else Elements)(rows)))

@@ -195,6 +195,33 @@ def test_numerics_monitor_in_a_jitted_step(name):
     assert _finite(params)
 
 
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_numerics_monitor_from_the_host_loop(name):
+    # The monitor called from the host loop, around a plain jitted step: reports on
+    # the asked steps, the first one the report numerics_report gives on those params.
+    m = zoo.model(name)
+    seen = []
+
+    def callback(step, report):
+        seen.append((step, report))
+
+    monitor = jaxamp.numerics_monitor(
+        m.loss, every=2, policy="mixed_float16", grad=True, callback=callback
+    )
+    loss = jaxamp.autocast(zoo.closed_loss(m), "mixed_float16")
+    step = jit(lambda p: jax.tree.map(lambda a, g: a - 0.01 * g, p, jax.grad(loss)(p)))
+    params = m.params
+    for i in range(3):
+        monitor(i, params, *m.batch)
+        params = step(params)
+    monitor.flush()
+    assert [s for s, _ in seen] == [0, 2]
+    expected = jaxamp.numerics_report(m.loss, m.params, *m.batch, policy="mixed_float16", grad=True)
+    assert seen[0][1] == expected
+    assert all(r.first_nonfinite is None for _, r in seen)
+    assert _finite(params)
+
+
 # MXFP4 compiles a few times slower here: with -m slow (its report: tests/unit).
 @pytest.mark.parametrize(
     "spec", ["mixed_nvfp4", pytest.param("mixed_mxfp4", marks=pytest.mark.slow)]

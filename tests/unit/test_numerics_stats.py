@@ -2,11 +2,12 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from jaxamp._numerics import _stats
+from jaxamp._numerics import _compiled, _stats, _table
 
 
 def test_every_statistic_fills_an_opstats_field_and_packs_by_dtype():
@@ -82,3 +83,39 @@ def test_accumulate_and_unpack_row_round_trip():
     assert int(back.measured[_stats.NONFINITE]) == 2
     moved = _stats.moved(stats, np.int32(3))
     assert [float(v) for v in moved][:3] == [1.0, 1.0, 3.0]
+
+
+def _flushing_loss(w, x):
+    # Underflow (x * 1e-4 flushes some float16 values), an overflow in a scan, a cond,
+    # and outputs of several sizes: both sides of the stacking threshold.
+    w, x = w.astype(jnp.float16), x.astype(jnp.float16)
+    h = jnp.tanh(x @ w) * jnp.float16(1e-4)
+    h = h * h
+
+    def body(c, row):
+        return c + jnp.sum(row * jnp.float16(3e3)) ** 2, row * 2
+
+    total, _ = jax.lax.scan(body, jnp.float16(0), h)
+    big = jax.lax.cond(total >= 0, lambda a: a * jnp.float16(4e3), lambda a: a, x @ w)
+    return (jnp.mean(big.astype(jnp.float32)) + total.astype(jnp.float32)).astype(jnp.float32)
+
+
+def test_stacking_outputs_is_a_layout_not_a_result(monkeypatch):
+    # Stacked with the outputs of their size or reduced alone (over
+    # STACK_MAX_ELEMENTS, in a program of over FAST_COMPILE_VALUES values), every
+    # statistic is the same: max and integer counts do not depend on how elements
+    # are grouped.
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(32, 256)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(96, 32)), jnp.float32)
+    reports = []
+    monkeypatch.setattr(_compiled, "FAST_COMPILE_VALUES", 0)  # a "large" program
+    for limit in (float("inf"), 0, 2**12):
+        monkeypatch.setattr(_table, "STACK_MAX_ELEMENTS", limit)
+        _compiled.cache_clear()
+        reports.append(jaxamp.numerics_report(_flushing_loss, w, x, grad=True, loss_scale=2.0**8))
+    _compiled.cache_clear()
+    stacked, alone, mixed = reports
+    assert any(op.underflow_fraction > 0 for op in stacked.ops)
+    assert any(op.nonfinite > 0 for op in stacked.ops)
+    assert alone == stacked and mixed == stacked
