@@ -37,6 +37,7 @@ from jaxamp._loss_scaling import (
 from jaxamp._low_precision import LowPrecisionState, low_precision_optimizer, stochastic_round
 from jaxamp._matmuls import precision_report
 from jaxamp._numerics import NumericsReport, OpStats, numerics_monitor, numerics_report
+from jaxamp._plan import PlanRow, PrecisionPlan, precision_plan
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._precision_report import MatmulInfo, PrecisionReport
 from jaxamp._version import __version__
@@ -66,7 +67,9 @@ __all__ = [
     "NoOpLossScale",
     "NumericsReport",
     "OpStats",
+    "PlanRow",
     "Policy",
+    "PrecisionPlan",
     "PrecisionReport",
     "StaticLossScale",
     "TooManySkippedSteps",
@@ -89,6 +92,7 @@ __all__ = [
     "numerics_report",
     "pad_to_multiple",
     "policy_for_device",
+    "precision_plan",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",
