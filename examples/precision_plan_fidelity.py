@@ -131,7 +131,7 @@ def train(example: str, seed: int, args: argparse.Namespace, kept: list[str]) ->
 def run(args: argparse.Namespace, log: Path) -> list[dict[str, Any]]:
     records = []
     train_ids, _ = charlm.split_blocks(charlm.encode(charlm.load_text()))
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.seeds):
         for example in args.examples:
             found = plan_for(example, seed, args, train_ids)
             head = {"example": example, "seed": seed}
@@ -204,9 +204,10 @@ def summarise(records: list[dict], baselines: list[dict], example: str, fraction
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--examples", default="charlm,moe")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="run seeds first..seeds-1")
     parser.add_argument("--fractions", default="0.05,0.15,0.3")
     parser.add_argument("--charlm-steps", type=int, default=300)
     parser.add_argument("--charlm-width", type=int, default=64)

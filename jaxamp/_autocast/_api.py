@@ -126,7 +126,7 @@ def autocast(
             if recipe is not None:  # FP8: every weight's scale from one reduction
                 autocaster.recipe_weights = recipe_weights(recipe, closed, dyn, paths)
                 probe = current_probe()  # precision_plan's trace: instrument the products
-                autocaster.probe = None if probe is None else probe.bind(closed, paths or [])
+                autocaster.plan_probe = None if probe is None else probe.bind(closed, paths or [])
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]
 
         if remat:

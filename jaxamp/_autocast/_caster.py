@@ -86,7 +86,7 @@ class Autocaster:
             None  # the pre-pass: weight amaxes, high_precision (recipe_weights)
         )
         # precision_plan's instrumentation (jaxamp._fp8._probe.Bound), else None.
-        self.probe: Any = None
+        self.plan_probe: Any = None
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
@@ -292,19 +292,22 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     if hooked is None:
         with scope:
             return [(_plain_product(ac, eqn, roles, lhs, rhs, *extra), ACTIVATION)]
-    if ac.probe is not None and not ac.transposable:  # precision_plan's instrumented step
+    if ac.plan_probe is not None and not ac.transposable:  # precision_plan's instrumented step
         low = functools.partial(_recipe_product, ac, eqn, roles)
         ref = functools.partial(_plain_product, ac, eqn, roles)
-        return [(ac.probe.product(eqn, low, ref, lhs, rhs, extra), ACTIVATION)]
-    return [(_run(ac, eqn, *hooked, extra), ACTIVATION)]
+        return [(ac.plan_probe.product(eqn, low, ref, lhs, rhs, extra), ACTIVATION)]
+    x, w, matmul = hooked
+    return [(_run(ac, eqn, x, w, matmul, extra), ACTIVATION)]
 
 
 def _recipe_product(ac: Autocaster, eqn: jex.JaxprEqn, roles: tuple, lhs: Any, rhs: Any, *extra):
     """The recipe's low-bit product of ``eqn`` (precision_plan runs it next to the plain one)."""
     plain = (roles[0] == PLAIN, roles[1] == PLAIN)
+    assert ac.recipe is not None
     hooked = recipe_operands(ac.recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
     assert hooked is not None  # the same operands' types as the product that was hooked
-    return _run(ac, eqn, *hooked, list(extra))
+    x, w, matmul = hooked
+    return _run(ac, eqn, x, w, matmul, list(extra))
 
 
 def _plain_product(ac: Autocaster, eqn: jex.JaxprEqn, roles: tuple, lhs: Any, rhs: Any, *extra):

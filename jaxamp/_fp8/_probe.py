@@ -165,7 +165,8 @@ def _probed(low: Callable, ref: Callable, record: Callable, n_extra: int) -> Cal
 
 def _flops(eqn: jex.JaxprEqn) -> int:
     """``2 M N K`` (times the batch) of a dot or ragged dot, as precision_report counts it."""
-    lhs, rhs = (v.aval for v in eqn.invars[:2])  # pyright: ignore[reportAttributeAccessIssue]
+    lhs: Any = eqn.invars[0].aval
+    rhs: Any = eqn.invars[1].aval
     if eqn.primitive.name == "ragged_dot_general":
         numbers = eqn.params["ragged_dot_dimension_numbers"]
         dims = dot_dims(
@@ -174,7 +175,7 @@ def _flops(eqn: jex.JaxprEqn) -> int:
     elif eqn.primitive.name == "dot_general":
         dims = dot_dims(eqn.params["dimension_numbers"], lhs.ndim, rhs.ndim)
     else:  # a convolution: each output element is a dot over in-features x taps
-        out = eqn.outvars[0].aval  # pyright: ignore[reportAttributeAccessIssue]
+        out: Any = eqn.outvars[0].aval
         axes = conv_axes(eqn.params["dimension_numbers"])
         taps = math.prod(rhs.shape[d] for d in axes.rhs_spatial)
         return 2 * math.prod(out.shape) * rhs.shape[axes.rhs_in] * taps
