@@ -144,6 +144,8 @@ def run(args: argparse.Namespace, log: Path) -> list[dict[str, Any]]:
                 "plan_s": found["plan_s"],
             }
             _append(log, plan_record, records)
+            if args.cost_only:
+                continue
             trained: dict[tuple, float] = {}
             for fraction in args.fractions:
                 for ranking, kept in picks(found, fraction, seed, args.charlm_layers).items():
@@ -224,6 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     _common.add_output_arguments(parser, "precision_plan_fidelity.md/.jsonl")
     parser.add_argument("--fast", action="store_true", help="one tiny run (tests)")
+    parser.add_argument(
+        "--cost-only", action="store_true", help="only the plans and their cost, no training"
+    )
     parser.add_argument("--from-log", type=Path, nargs="*", default=None)
     args = parser.parse_args(argv)
     args.out = _common.output_dir(args)
