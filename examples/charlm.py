@@ -243,8 +243,17 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
     }
 
 
-def build(setup: str, dims: dict[str, int], seed: int) -> tuple[CharTransformer, Any]:
-    """The model and loss function of a setup (same initial weights for every setup)."""
+def build(
+    setup: str, dims: dict[str, int], seed: int, recipe: Any = None
+) -> tuple[CharTransformer, Any]:
+    """The model and loss function of a setup (same initial weights for every setup).
+
+    ``recipe``: a ``jaxamp.Float4Recipe`` (or ``Float8Recipe``) to run the loss
+    under instead of the setup's (``setup`` then only names the run).
+    """
+    if recipe is not None:
+        model = CharTransformer(jaxamp.get_policy("float32"), rngs=nnx.Rngs(seed), **dims)
+        return model, _common.autocast_loss(next_char_loss, recipe)
     if setup not in ALL_SETUPS:
         raise ValueError(f"unknown setup {setup!r}; valid: {', '.join(ALL_SETUPS)}.")
     layer_policy = jaxamp.get_policy("mixed_bfloat16" if setup == "mixed_bfloat16" else "float32")
@@ -268,9 +277,10 @@ def train(
     valid_ids: np.ndarray,
     args: argparse.Namespace,
     dims: dict[str, int],
+    recipe: Any = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], str]:
-    """Trains one setup; returns the table row, the history and a generated sample."""
-    model, loss_fn = build(setup, dims, args.seed)
+    """Trains one setup (or ``recipe``: :func:`build`); returns the row, history and a sample."""
+    model, loss_fn = build(setup, dims, args.seed, recipe)
     adamw = optax.adamw(args.learning_rate, b2=0.99, weight_decay=0.01)
     # bfloat16 has float32's range: no loss scaling, but non-finite steps are still skipped.
     tx = jaxamp.loss_scaling(

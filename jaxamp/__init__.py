@@ -43,6 +43,7 @@ from jaxamp._numerics import (
     numerics_monitor,
     numerics_report,
 )
+from jaxamp._plan import PlanRow, PrecisionPlan, precision_plan
 from jaxamp._policy import Policy, get_policy, policy_for_device
 from jaxamp._precision_report import MatmulInfo, PrecisionReport
 from jaxamp._version import __version__
@@ -73,7 +74,9 @@ __all__ = [
     "NumericsMonitor",
     "NumericsReport",
     "OpStats",
+    "PlanRow",
     "Policy",
+    "PrecisionPlan",
     "PrecisionReport",
     "StaticLossScale",
     "TooManySkippedSteps",
@@ -96,6 +99,7 @@ __all__ = [
     "numerics_report",
     "pad_to_multiple",
     "policy_for_device",
+    "precision_plan",
     "precision_report",
     "scaled_value_and_grad",
     "select_tree",

@@ -19,6 +19,7 @@ from jaxamp._casting import is_floating
 from jaxamp._checks import check_bool, check_callable, is_int
 from jaxamp._engine._trace import flatten_call, trace
 from jaxamp._fp8 import RECIPES, Float4Recipe, Float8Recipe, recipe_weights
+from jaxamp._fp8._probe import current as current_probe
 from jaxamp._policy import Policy
 from jaxamp._resolve import resolve
 from jaxamp._wire._warnings import warn_unhonoured_wire_dtypes
@@ -124,6 +125,8 @@ def autocast(
         def run(*dyn):
             if recipe is not None:  # FP8: every weight's scale from one reduction
                 autocaster.recipe_weights = recipe_weights(recipe, closed, dyn, paths)
+                probe = current_probe()  # precision_plan's trace: instrument the products
+                autocaster.plan_probe = None if probe is None else probe.bind(closed, paths or [])
             return [v for v, _ in autocaster.eval_jaxpr(closed, [(v, PLAIN) for v in dyn])]
 
         if remat:

@@ -85,6 +85,8 @@ class Autocaster:
         self.recipe_weights: Any = (
             None  # the pre-pass: weight amaxes, high_precision (recipe_weights)
         )
+        # precision_plan's instrumentation (jaxamp._fp8._probe.Bound), else None.
+        self.plan_probe: Any = None
         # What a user's rule sees: the public part, nothing of the evaluation.
         self.context = AutocastContext(policy)
         # id(jaxpr) -> (jaxpr, ids of its powers/products that feed a float32 sum).
@@ -278,6 +280,8 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
     (lhs, lhs_role), (rhs, rhs_role), *rest = ins
     if not (is_floating(lhs) and is_floating(rhs)):
         return follow(ac, eqn, ins)
+    extra = [v for v, _ in rest]
+    roles = (lhs_role, rhs_role)
     hooked = None
     scope: contextlib.AbstractContextManager = contextlib.nullcontext()
     if ac.recipe is not None:
@@ -285,30 +289,51 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
         hooked = recipe_operands(ac.recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
         # A product the recipe's high_precision keeps: named, for precision_report.
         scope = kept_scope(eqn, ac.recipe_weights)
-    if hooked is not None:
-        lhs, rhs, matmul = hooked
-    else:
-        # What the partitioner reduces, in which dtype: read before the operands move.
-        grad_dtypes, result_dtype = product_dtypes(ac, lhs, rhs, (lhs_role, rhs_role))
-        lhs, rhs = (
-            _contraction_operand(ac, lhs, lhs_role, rhs),
-            _contraction_operand(ac, rhs, rhs_role, lhs),
-        )
-        matmul = functools.partial(
-            run_matmul,
-            transposable=ac.transposable,
-            grad_dtypes=grad_dtypes,
-            result_dtype=result_dtype,
-        )
+    if hooked is None:
+        with scope:
+            return [(_plain_product(ac, eqn, roles, lhs, rhs, *extra), ACTIVATION)]
+    if ac.plan_probe is not None and not ac.transposable:  # precision_plan's instrumented step
+        low = functools.partial(_recipe_product, ac, eqn, roles)
+        ref = functools.partial(_plain_product, ac, eqn, roles)
+        return [(ac.plan_probe.product(eqn, low, ref, lhs, rhs, extra), ACTIVATION)]
+    x, w, matmul = hooked
+    return [(_run(ac, eqn, x, w, matmul, extra), ACTIVATION)]
+
+
+def _recipe_product(ac: Autocaster, eqn: jex.JaxprEqn, roles: tuple, lhs: Any, rhs: Any, *extra):
+    """The recipe's low-bit product of ``eqn`` (precision_plan runs it next to the plain one)."""
+    plain = (roles[0] == PLAIN, roles[1] == PLAIN)
+    assert ac.recipe is not None
+    hooked = recipe_operands(ac.recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
+    assert hooked is not None  # the same operands' types as the product that was hooked
+    x, w, matmul = hooked
+    return _run(ac, eqn, x, w, matmul, list(extra))
+
+
+def _plain_product(ac: Autocaster, eqn: jex.JaxprEqn, roles: tuple, lhs: Any, rhs: Any, *extra):
+    """Autocast's compute-dtype product of ``eqn`` (float32 accumulation)."""
+    # What the partitioner reduces, in which dtype: read before the operands move.
+    grad_dtypes, result_dtype = product_dtypes(ac, lhs, rhs, roles)
+    lhs, rhs = (
+        _contraction_operand(ac, lhs, roles[0], rhs),
+        _contraction_operand(ac, rhs, roles[1], lhs),
+    )
+    matmul = functools.partial(
+        run_matmul,
+        transposable=ac.transposable,
+        grad_dtypes=grad_dtypes,
+        result_dtype=result_dtype,
+    )
+    return _run(ac, eqn, lhs, rhs, matmul, list(extra))
+
+
+def _run(ac: Autocaster, eqn: jex.JaxprEqn, lhs: Any, rhs: Any, matmul: Any, extra: list) -> Any:
+    """``matmul`` on the operands, padded to ``ac.pad_to`` and back."""
     unpad = None
     if ac.pad_to is not None:
         lhs, rhs, unpad = padded(eqn.primitive.name, eqn.params, lhs, rhs, ac.pad_to)
-    extra = [v for v, _ in rest]
-    with scope:
-        out = matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype)
-    if unpad is not None:
-        out = unpad(out)
-    return [(out, ACTIVATION)]
+    out = matmul(eqn, lhs, rhs, *extra, dtype=ac.compute_dtype)
+    return out if unpad is None else unpad(out)
 
 
 def _contraction_operand(ac: Autocaster, value: Any, role: int, other: Any) -> Any:

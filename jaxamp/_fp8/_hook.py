@@ -27,6 +27,7 @@ __all__ = [
     "RECIPES",
     "PrePass",
     "Recipe",
+    "first_arg_name",
     "kept_scope",
     "recipe_operands",
     "recipe_weights",
@@ -90,7 +91,7 @@ def recipe_weights(
     amaxes = fp8_weight_amaxes(recipe, closed, inputs) if isinstance(recipe, Float8Recipe) else None
     if recipe.high_precision is None or paths is None:
         return PrePass(amaxes, frozenset())
-    names = {i: name for i, path in enumerate(paths) if (name := _first_arg_name(path))}
+    names = {i: name for i, path in enumerate(paths) if (name := first_arg_name(path))}
     _warn_unmatched(recipe, list(names.values()))
     patterns = recipe.high_precision
     matching = {i for i, name in names.items() if any(re.search(p, name) for p in patterns)}
@@ -120,7 +121,7 @@ def _warn_unused(recipe: Recipe, names: dict[int, str], operand_inputs: set[int]
             )
 
 
-def _first_arg_name(path: tuple) -> str | None:
+def first_arg_name(path: tuple) -> str | None:
     """The keystr of ``path`` (in ``(args, kwargs)``) within ``args[0]``, else None."""
     first = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(0))
     if tuple(path[:2]) != first:

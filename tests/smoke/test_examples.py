@@ -8,6 +8,7 @@ optax itself), so the example runs are wrapped in standard promotion.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import subprocess
@@ -32,6 +33,7 @@ charlm = importlib.import_module("charlm")
 charlm_low_precision = importlib.import_module("charlm_low_precision")
 digits = importlib.import_module("digits")
 fp8_fidelity = importlib.import_module("fp8_fidelity")
+plan_fidelity = importlib.import_module("precision_plan_fidelity")
 underflow = importlib.import_module("underflow")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -113,7 +115,9 @@ def test_digits_by_default_writes_under_the_working_directory_not_the_checkout(d
         assert after == before, "running the example changed files of the checkout"
 
 
-@pytest.mark.parametrize("example", [digits, underflow, charlm, charlm_low_precision, fp8_fidelity])
+@pytest.mark.parametrize(
+    "example", [digits, underflow, charlm, charlm_low_precision, fp8_fidelity, plan_fidelity]
+)
 def test_examples_write_the_committed_results_only_when_asked(example, tmp_path):
     committed = EXAMPLES / "results"
     assert example.parse_args([]).out == Path("jaxamp-results")
@@ -407,3 +411,38 @@ def test_sharded_gpt_fast_trains_on_8_devices_and_reads_its_wire_bytes():
     assert bf16["B_per_param"].get("gather bfloat16", 0) > 1.0
     assert 3.5 < bf16["B_per_param"]["reduce float32"] <= 4.1
     assert f32["bytes_per_step"] > 0 and bf16["bytes_per_step"] > 0
+
+
+def test_precision_plan_fidelity_ranks_cuts_and_tables_from_a_log(tmp_path):
+    paths = ["['blocks'][0]['up']", "['blocks'][1]['up']", "['head']", "['router']"]
+    assert plan_fidelity.paper_ranking(paths, 2) == [
+        "['head']",
+        "['blocks'][1]['up']",
+        "['blocks'][0]['up']",
+        "['router']",
+    ]
+    # The plan's greedy knapsack: a path that no longer fits is skipped, not the end.
+    flops = {"a": 0.2, "b": 0.1, "c": 0.05}
+    assert plan_fidelity.cut(["a", "b", "c"], flops, 0.15) == ["b", "c"]
+    head = {"example": "charlm", "seed": 0}
+    records = [
+        {
+            **head,
+            "setup": "plan",
+            "ranking": ["b"],
+            "flops": flops,
+            "plan_s": 2.0,
+            "step_first_call_s": 1.0,
+        },
+        {**head, "setup": "plan@0.15", "metric": 3.1, "kept": ["b", "c"], "kept_share": 0.15},
+        {**head, "setup": "paper@0.15", "metric": 3.2, "kept": ["b"], "kept_share": 0.1},
+    ]
+    log = tmp_path / "in.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["--from-log", str(log), "--fractions", "0.15", "--out", str(tmp_path / "out")]
+    assert plan_fidelity.main(argv) == records
+    table = (tmp_path / "out" / "precision_plan_fidelity.md").read_text()
+    assert "| plan@0.15 | 1 | 3.1000 ± 0.0000 |" in table
+    assert "| paper@0.15 | 1 | 3.2000 ± 0.0000 |" in table
+    assert "| autocast_bfloat16 | 3 |" in table  # fp8_fidelity's committed runs
+    assert "charlm seed 0: plan 2.0 s, step's first call 1.0 s" in table
