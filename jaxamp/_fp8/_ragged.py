@@ -118,14 +118,14 @@ def _rows_product(
     """
     ax = spec.groups[x_kind]
     qx, inv_x, _ = quantize_rows(spec, x, x_dtype, _row_tiles(seg, ax), ax.block)
-    qw = _experts(spec, w, w_kind, w_dtype) if qw is None else qw
-    return scaled_rows(qx, inv_x, *qw, seg, sizes, out_dtype, accumulate)
+    q_w, inv_w = _experts(spec, w, w_kind, w_dtype) if qw is None else qw
+    return scaled_rows(qx, inv_x, q_w, inv_w, seg, sizes, out_dtype, accumulate)
 
 
 def _weight_input_gradient(spec, g, qw, seg, sizes, c: int, accumulate):
     """``g [M, Q]`` times each expert's weight along Q -> ``[M, C]``, from the forward's codes.
 
-    As the dense product's (``_matmul._input_gradient_operands``): whole-row
+    As the dense product's (``_matmul._input_gradient``): whole-row
     weight groups fold their inverse scales into ``g`` before it is quantized
     and the codes are contracted unscaled; blocks are requantized from the
     codes along Q.
