@@ -303,9 +303,13 @@ def compute(ac: Autocaster, eqn: jex.JaxprEqn, ins: list[tuple]) -> list[tuple]:
 def _recipe_product(ac: Autocaster, eqn: jex.JaxprEqn, roles: tuple, lhs: Any, rhs: Any, *extra):
     """The recipe's low-bit product of ``eqn`` (precision_plan runs it next to the plain one)."""
     plain = (roles[0] == PLAIN, roles[1] == PLAIN)
-    assert ac.recipe is not None
-    hooked = recipe_operands(ac.recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
-    assert hooked is not None  # the same operands' types as the product that was hooked
+    # Called only for a product the recipe's hook took, on operands of the same types.
+    recipe = ac.recipe
+    hooked = (
+        None if recipe is None else recipe_operands(recipe, eqn, lhs, rhs, plain, ac.recipe_weights)
+    )
+    if hooked is None:
+        raise RuntimeError(f"the recipe {ac.recipe!r} no longer runs {eqn.primitive.name} low-bit")
     x, w, matmul = hooked
     return _run(ac, eqn, x, w, matmul, list(extra))
 
