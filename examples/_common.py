@@ -62,6 +62,17 @@ def add_output_arguments(parser: argparse.ArgumentParser, files: str) -> None:
     )
 
 
+def add_language_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """charlm's settings and its mixture of experts', as the fidelity experiments take them."""
+    parser.add_argument("--charlm-steps", type=int, default=300)
+    parser.add_argument("--charlm-width", type=int, default=64)
+    parser.add_argument("--charlm-layers", type=int, default=2)
+    parser.add_argument("--charlm-batch", type=int, default=16)
+    parser.add_argument("--charlm-context", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=4, help="experts per block of moe")
+    parser.add_argument("--moe-batch", type=int, default=8, help="sequences per step of moe")
+
+
 def output_dir(args: argparse.Namespace) -> Path:
     """The folder the parsed ``--out`` / ``--refresh-committed`` arguments ask for."""
     if args.refresh_committed:

@@ -211,13 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="run seeds first..seeds-1")
     parser.add_argument("--fractions", default="0.05,0.15,0.3")
-    parser.add_argument("--charlm-steps", type=int, default=300)
-    parser.add_argument("--charlm-width", type=int, default=64)
-    parser.add_argument("--charlm-layers", type=int, default=2)
-    parser.add_argument("--charlm-batch", type=int, default=16)
-    parser.add_argument("--charlm-context", type=int, default=64)
-    parser.add_argument("--experts", type=int, default=4, help="experts per block of moe")
-    parser.add_argument("--moe-batch", type=int, default=8, help="sequences per step of moe")
+    _common.add_language_model_arguments(parser)
     parser.add_argument(
         "--baseline-log",
         type=Path,
