@@ -20,7 +20,7 @@ TILES = {
     "tensorwise": {"act": (None, None), "weight": (None, None), "grad": (None, None)},
     "rowwise": {"act": (1, None), "weight": (1, None), "grad": (1, None)},
     "blockwise": {"act": (1, 128), "weight": (128, 128), "grad": (1, 128)},
-    "mxfp8": {"act": (1, 32), "weight": (1, 32), "grad": (1, 32)},
+    "mxfp8": {"act": (1, 32), "weight": (32, 32), "grad": (1, 32)},
 }
 
 

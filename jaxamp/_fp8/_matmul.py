@@ -10,9 +10,9 @@ activation is requantized along the backward product's contracting dim
 (rowwise groups differ between the forward and the backward products, as in
 torchao). A weight (a parameter: autocast's PLAIN operand) is quantized once:
 the input-gradient product reuses its forward codes (``_input_gradient``:
-rowwise folds the weight's scales into the gradient, square tiles are the same
-tiles transposed (``_tiles.py``), other blocks are requantized from the
-codes), so that a sharded weight is all-gathered once per step, in float8.
+rowwise folds the weight's scales into the gradient, square tiles (blockwise's
+128x128, mxfp8's 32x32) are the same tiles transposed (``_tiles.py``); under
+the native GEMM they are requantized from the codes, exactly), so that a sharded weight is all-gathered once per step, in float8.
 Under tensorwise scaling, whose groups do not depend on the contracting dim,
 the forward's float8 operands are saved and the backward products contract
 them along the other dim.
@@ -131,9 +131,9 @@ def _input_gradient(recipe: Float8Recipe, g, qb, c: int, accumulate):
     sum_q (g[p, q] / s_q) code[q, c]``, so the gradient is quantized scaled by
     the weight's inverse scales, and the forward's codes are contracted along
     Q as they are (the partitioner gathers them once, for both products).
-    Blocks (blockwise, mxfp8) are requantized from the codes along Q: exact
-    for 128x128 tiles (the same tiles, transposed) and, with power-of-two
-    scales, for every value float8 keeps normal (a power-of-two rescaling).
+    Square tiles (blockwise, mxfp8), where not contracted from one tiled array
+    (the native GEMM), are requantized from the codes along Q: exact, the same
+    tiles transposed.
     """
     q, inverse = qb
     grad_groups, weight_groups = (groups_for(recipe.scaling, k) for k in ("grad", "weight"))

@@ -132,7 +132,8 @@ class Float8Recipe:
         ``"blockwise"``: 1x128 tiles of activations and gradients, 128x128
         tiles of weights, along the contracting dimension (DeepSeek-V3).
         ``"mxfp8"``: blocks of 32 along the contracting dimension with
-        power-of-two scales (OCP MX, NVIDIA Blackwell). Convolutions are
+        power-of-two scales (OCP MX, NVIDIA Blackwell), weights in 32x32
+        tiles (each 1x32 block of either product shares its tile's scale). Convolutions are
         quantized tensorwise under every recipe. The scalings are the table
         ``SCALINGS`` in ``jaxamp/_fp8/_scalings.py``.
       forward_dtype: the format of activations and weights.

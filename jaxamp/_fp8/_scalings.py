@@ -102,12 +102,13 @@ class Scaling:
             raise ValueError(
                 f"Scaling(groups=...) must map each operand kind {KINDS} to Groups; got {got!r}."
             )
-        mx = Groups(False, 1, MX_BLOCK)
-        if self.native and not (self.exact_scales and set(self.groups.values()) == {mx}):
+        # A square tile shares one scale per row of it: still MX's 1x32 blocks.
+        mx = {Groups(False, 1, MX_BLOCK), Groups(False, MX_BLOCK, MX_BLOCK)}
+        if self.native and not (self.exact_scales and set(self.groups.values()) <= mx):
             raise ValueError(
                 "Scaling(native=True) is jax.nn.scaled_matmul's form: every kind in "
-                f"{mx} with exact_scales=True; got {dict(self.groups)}, "
-                f"exact_scales={self.exact_scales}."
+                f"1x{MX_BLOCK} blocks or {MX_BLOCK}x{MX_BLOCK} tiles, with "
+                f"exact_scales=True; got {dict(self.groups)}, exact_scales={self.exact_scales}."
             )
         if self.scale_format not in SCALE_FORMATS:
             raise ValueError(
@@ -135,8 +136,19 @@ SCALINGS: dict[str, Scaling] = {
             "grad": Groups(False, 1, BLOCK),
         }
     ),
-    # OCP MX: 32 values along the contracting dim share a power-of-two scale.
-    "mxfp8": Scaling.uniform(Groups(False, 1, MX_BLOCK), exact_scales=True, native=True),
+    # OCP MX: 32 values along the contracting dim share a power-of-two scale;
+    # weights in 32x32 tiles (one scale per tile, so every 1x32 block of either
+    # product shares it): one set of codes serves the forward and the input
+    # gradient, and a sharded weight is gathered once (NVFP4's 16x16 idea).
+    "mxfp8": Scaling(
+        {
+            "act": Groups(False, 1, MX_BLOCK),
+            "weight": Groups(False, MX_BLOCK, MX_BLOCK),
+            "grad": Groups(False, 1, MX_BLOCK),
+        },
+        exact_scales=True,
+        native=True,
+    ),
     # NVFP4 (Transformer Engine): E2M1 elements, an E4M3 scale per 16 values
     # under a float32 per-tensor scale; 16x16 weight tiles (Float4Recipe's
     # weight_blocks_2d=False: the activations' 1x16).

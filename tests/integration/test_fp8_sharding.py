@@ -14,7 +14,7 @@ WEIGHTS = ("w1", "w2", "head")  # the matmul weights; emb and ln are not matmul 
 VOCAB, D, F, B, T = 64, 64, 256, 32, 8
 N_PRODUCTS = 3  # dense layers: each quantizes one activation and one gradient tensorwise
 # Recipes whose weight groups depend on the contracting dim, gathered once all the same.
-GATHERED_ONCE = ("rowwise", "blockwise")
+GATHERED_ONCE = ("rowwise", "blockwise", "mxfp8")
 
 
 def _params(jnp, jax):
@@ -151,7 +151,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("scaling", GATHERED_ONCE)
-def test_rowwise_and_blockwise_gather_each_weight_once_in_fp8(fp8_fsdp, scaling):
+def test_rowwise_blockwise_and_mxfp8_gather_each_weight_once_in_fp8(fp8_fsdp, scaling):
     res = fp8_fsdp[scaling]
     cols, n_params = res["collectives"], res["param_count"]
     gathers = [c for c in cols if c[0] == "all-gather"]
