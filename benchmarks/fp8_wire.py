@@ -1,11 +1,11 @@
-"""FP8 over the wire: what an FSDP step of a GPT sends under each FP8 recipe.
+"""FP8 over the wire: what an FSDP step of a GPT sends under each FP8 (and FP4) recipe.
 
 The 3-layer GPT of ``_models`` (d_model 256, d_ff 1024, vocab 512: 2.65M
 params), each parameter sharded on its largest dim over 8 devices, the batch
 sharded too; ``jax.value_and_grad(jaxamp.autocast(loss, recipe))`` read by
 ``jaxamp.communication_report`` right after the SPMD partitioner (nothing runs).
 Per recipe: the all-gathered bytes per parameter by dtype, the weights'
-float8 gathers, the scale reductions (scalar all-reduces, and the fused
+float8 (float4) gathers, the scale reductions (scalar all-reduces, and the fused
 all-reduce of every weight amax) and the gradient reductions' dtype and bytes.
 Byte counts of the partitioned program, not timings: they hold on any backend.
 
@@ -31,7 +31,7 @@ N_DEVICES = 8
 FUSED_SCOPE = "fp8_weight_amaxes"
 
 
-def recipes(smoke: bool) -> dict[str, jaxamp.Float8Recipe]:
+def recipes(smoke: bool) -> dict[str, jaxamp.Float8Recipe | jaxamp.Float4Recipe]:
     if smoke:
         return {"mixed_float8": jaxamp.Float8Recipe()}
     return {
@@ -40,6 +40,8 @@ def recipes(smoke: bool) -> dict[str, jaxamp.Float8Recipe]:
         "rowwise": jaxamp.Float8Recipe("rowwise"),
         "blockwise": jaxamp.Float8Recipe("blockwise"),
         "mxfp8": jaxamp.Float8Recipe("mxfp8", gemm="emulated"),
+        "nvfp4": jaxamp.Float4Recipe("nvfp4", gemm="emulated"),
+        "mxfp4": jaxamp.Float4Recipe("mxfp4", gemm="emulated"),
     }
 
 
@@ -68,8 +70,11 @@ def _summary(report: jaxamp.CommunicationReport) -> dict[str, Any]:
         grad_bytes[c.dtype.name] = grad_bytes.get(c.dtype.name, 0.0) + c.bytes / n
     return {
         "gather_bytes_per_param": {k: round(v, 3) for k, v in sorted(gathers.items())},
+        # Weights gathered as float8 (float4) codes, one count per gather.
         "float8_weight_gathers": sum(
-            c.kind == "all-gather" and c.dtype.name.startswith("float8") and c.parameter is not None
+            c.kind == "all-gather"
+            and c.dtype.name.startswith(("float8", "float4"))
+            and c.parameter is not None
             for c in report.collectives
         ),
         "scalar_all_reduces": len(scalars),
@@ -111,7 +116,7 @@ def table(results: dict[str, Any]) -> str:
     headers = [
         "recipe",
         "gathers B/param",
-        "f8 weight gathers",
+        "f8/f4 weight gathers",
         "amax all-reduces",
         "scalar",
         "fused",

@@ -7,7 +7,8 @@ a product; each dim is a contracting dim of one of the three products), and a
 
 - fprop ``[B, P, Q]``: both operands round to nearest, blocks along C;
 - dgrad ``da = g . b`` over Q: the gradient stochastically rounded, blocks along
-  Q; the weight's 16x16 NVFP4 tiles are the forward's codes, transposed;
+  Q; the weight's 16x16 NVFP4 tiles are the forward's codes, contracted
+  along Q from one tiled array (``_tiles``: a sharded weight gathered once);
 - wgrad ``db = g^T . a^T`` over P (the token dim): both operands after a
   random-sign Hadamard transform of one block along P, the gradient stochastic.
 
@@ -31,7 +32,7 @@ import numpy as np
 from jaxamp._casting import F32
 from jaxamp._engine import _compat as compat
 from jaxamp._engine._contractions import dot_dims
-from jaxamp._fp8 import _native
+from jaxamp._fp8 import _native, _tiles
 from jaxamp._fp8._fp4_facts import Facts, mark, quantize_scope
 from jaxamp._fp8._fp4_recipe import Float4Recipe
 from jaxamp._fp8._matmul import _t, _to_canonical, _to_dtype
@@ -291,11 +292,19 @@ def _canonical_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple):
     sr = recipe.seed if recipe.stochastic_rounding else None
     scope = scope_name(fmt, False)
     native = fmt if uses_native(recipe) else None
+    # Emulated, both products contract one tiled array of the weight's codes
+    # (FP8 blockwise's _tiles), so that an FSDP-sharded weight is gathered once.
+    one_array = weight_tiles and native is None
 
     def forward(a, b):
         with jax.named_scope(scope):
             qa = quantize4(a, fmt, 1, ceil=ceil)
             qb = quantize4(b, fmt, n if weight_tiles else 1, ceil=ceil)
+            if one_array:
+                with jax.named_scope(quantize_scope(fmt)):
+                    w = _tiles.tiled((qb.codes, qb.decode), n)
+                out = _tiles.product((qa.codes, qa.decode), w, b.shape[1], out_dtype)
+                return out, (a, w)
             return _product(qa, qb, out_dtype, native), (a, qb if weight_tiles else b)
 
     @jax.custom_vjp
@@ -308,12 +317,14 @@ def _canonical_matmul(recipe: Float4Recipe, weight_tiles: bool, dtypes: tuple):
         with jax.named_scope(scope):
             # dgrad da[B, P, C] = g[B, P, Q] . b over Q.
             qg = quantize4(g, fmt, 1, ceil=ceil, seed=sr)
-            if weight_tiles:  # the forward's codes, moved: a step of that quantization
+            if one_array:
+                da = _tiles.input_gradient((qg.codes, qg.decode), b, a.shape[2], F32)
+            elif weight_tiles:  # the forward's codes, moved: a step of that quantization
                 with jax.named_scope(quantize_scope(fmt)):
                     qb_t = _transposed_tiles(b, n)
+                da = _product(qg, qb_t, F32, native)
             else:
-                qb_t = quantize4(_t(b), fmt, 1, ceil=ceil)
-            da = _product(qg, qb_t, F32, native)
+                da = _product(qg, quantize4(_t(b), fmt, 1, ceil=ceil), F32, native)
             # wgrad db[B, Q, C] = g^T[B, Q, P] . a^T[B, C, P] over P, the token dim.
             g_t, a_t = _t(g), _t(a)
             if recipe.hadamard:

@@ -35,7 +35,9 @@ def tiled(quantized: tuple[jax.Array, jax.Array], rows: int) -> Tiled:
     gathered)."""
     q, inverse = quantized
     b, n, kc_blocks, kc = q.shape
-    codes = jnp.pad(q, ((0, 0), (0, -n % rows), (0, 0), (0, 0)))
+    # No pad op where Q is whole tiles (FP4 pads its operands beforehand): the
+    # report would count the pad value's cast to float4 as a quantization.
+    codes = jnp.pad(q, ((0, 0), (0, -n % rows), (0, 0), (0, 0))) if n % rows else q
     codes = codes.reshape(b, -1, rows, kc_blocks, kc)
     return codes, inverse[:, ::rows]
 

@@ -13,8 +13,20 @@ N_DEVICES = 8
 WEIGHTS = ("w1", "w2", "head")  # the matmul weights; emb and ln are not matmul operands
 VOCAB, D, F, B, T = 64, 64, 256, 32, 8
 N_PRODUCTS = 3  # dense layers: each quantizes one activation and one gradient tensorwise
-# Recipes whose weight groups depend on the contracting dim, gathered once all the same.
-GATHERED_ONCE = ("rowwise", "blockwise", "mxfp8")
+# Recipes whose weight groups depend on the contracting dim, gathered once all the same,
+# and the dtype each gathers a weight in.
+GATHERED_ONCE = {
+    "rowwise": "float8_e4m3fn",
+    "blockwise": "float8_e4m3fn",
+    "mxfp8": "float8_e4m3fn",
+    "nvfp4": "float4_e2m1fn",
+}
+
+
+def _recipe(jaxamp, name):
+    if name == "nvfp4":  # 16x16 weight tiles
+        return jaxamp.Float4Recipe("nvfp4", gemm="emulated")
+    return jaxamp.Float8Recipe(name, gemm="emulated")
 
 
 def _params(jnp, jax):
@@ -67,7 +79,7 @@ def _worker() -> dict:
     for name, recipe in {
         "tensorwise": jaxamp.Float8Recipe(),
         "bf16_reduce": jaxamp.Float8Recipe(reduce_dtype=jnp.bfloat16),
-        **{s: jaxamp.Float8Recipe(s, gemm="emulated") for s in GATHERED_ONCE},
+        **{s: _recipe(jaxamp, s) for s in GATHERED_ONCE},
     }.items():
         step = jax.value_and_grad(jaxamp.autocast(loss, recipe))
         report = jaxamp.communication_report(step, *sharded)
@@ -84,7 +96,7 @@ def _worker() -> dict:
     out["loss"] = [float(l_one), float(l_sharded)]
     out["grad_err"] = _grad_err(g_one, g_sharded)
     for scaling in GATHERED_ONCE:
-        recipe = jaxamp.Float8Recipe(scaling, gemm="emulated")
+        recipe = _recipe(jaxamp, scaling)
         step = jax.jit(jax.value_and_grad(jaxamp.autocast(loss, recipe)))
         (l_one, g_one), (l_sharded, g_sharded) = step(params, tokens), step(*sharded)
         out[scaling]["loss"] = [float(l_one), float(l_sharded)]
@@ -151,16 +163,16 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("scaling", GATHERED_ONCE)
-def test_rowwise_blockwise_and_mxfp8_gather_each_weight_once_in_fp8(fp8_fsdp, scaling):
+def test_block_scaled_recipes_gather_each_weight_once_in_low_precision(fp8_fsdp, scaling):
     res = fp8_fsdp[scaling]
     cols, n_params = res["collectives"], res["param_count"]
     gathers = [c for c in cols if c[0] == "all-gather"]
     weight_gathers = [c for c in gathers if (c[4] or "").endswith(_WEIGHT_KEYS)]
     # One gather per weight (its later stages, if any, add the rest of it), in float8.
     assert sorted(c[4][-6:] for c in weight_gathers) == sorted(k[-6:] for k in _WEIGHT_KEYS)
-    assert {c[1] for c in weight_gathers} == {"float8_e4m3fn"}
-    # Float8 gathers (weights, gradients), per parameter: as tensorwise's.
-    f8_bytes = sum(c[3] for c in gathers if c[1].startswith("float8"))
+    assert {c[1] for c in weight_gathers} == {GATHERED_ONCE[scaling]}
+    # Float8 (float4) gathers (weights, gradients), per parameter: as tensorwise's.
+    f8_bytes = sum(c[3] for c in gathers if c[1].startswith(("float8", "float4")))
     assert f8_bytes / n_params <= 1.1, gathers
     # The sharded step is the one-device step (float32 sums in another order).
     one, sharded = res["loss"]
