@@ -122,7 +122,11 @@ class Policy:
 
         Returns:
           ``tree`` with its floating leaves in ``compute_dtype``.
+
+        Raises:
+          TypeError: ``matmul_operands`` is not None, a bool or a callable.
         """
+        _explicit.check_matmul_operands(matmul_operands)
         leaves = jax.tree.leaves(tree)
         if _explicit.explicit_mesh(leaves) is not None:
             if matmul_operands is None:

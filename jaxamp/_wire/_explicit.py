@@ -29,7 +29,7 @@ from jaxamp._casting import is_floating
 from jaxamp._engine import _compat as compat
 from jaxamp._wire._warnings import WireDtypes
 
-__all__ = ["cast_explicit", "explicit_mesh"]
+__all__ = ["cast_explicit", "check_matmul_operands", "explicit_mesh"]
 
 MatmulOperands = bool | Callable[[tuple, Any], bool] | None
 
@@ -107,14 +107,22 @@ def _cast_leaf(x: Any, policy: WireDtypes, reduced: bool) -> Any:
     return _reshard_cast(x, jax.sharding.NamedSharding(mesh, full), dtypes, gather)
 
 
+def check_matmul_operands(matmul_operands: Any) -> None:
+    """Raises TypeError unless ``matmul_operands`` is None, a bool or a callable.
+
+    Checked on every call, so that a wrong argument fails on one device too.
+    """
+    if matmul_operands is None or isinstance(matmul_operands, bool) or callable(matmul_operands):
+        return
+    raise TypeError(
+        "matmul_operands must be None, a bool or a callable (path, leaf) -> bool, got "
+        f"{type(matmul_operands).__name__}"
+    )
+
+
 def _selector(matmul_operands: MatmulOperands) -> Callable[[tuple, Any], bool]:
     if matmul_operands is None or isinstance(matmul_operands, bool):
         return lambda path, x: bool(matmul_operands)
-    if not callable(matmul_operands):
-        raise TypeError(
-            "matmul_operands must be a bool or a callable (path, leaf) -> bool, got "
-            f"{type(matmul_operands).__name__}"
-        )
     return matmul_operands
 
 
