@@ -61,22 +61,23 @@ def _axes(entry: Any) -> tuple:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _reshard_cast(x, full, dtypes: tuple, gather: bool):
-    # dtypes: (gather, compute, reduce); ``full``: the sharding the products read.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _reshard_cast(x, full, back, dtypes: tuple, gather: bool):
+    # full: the sharding the products read; back: x's own, where the gradient goes.
+    # dtypes: (gather, compute, reduce).
     sent = x.astype(dtypes[0]) if gather else x
     return jax.sharding.reshard(sent, full).astype(dtypes[1])
 
 
-def _reshard_cast_fwd(x, full, dtypes, gather):
-    # The residual: a zero of x's type (dtype and sharding) for the backward pass.
-    return _reshard_cast(x, full, dtypes, gather), jax.numpy.zeros_like(x)
+def _reshard_cast_fwd(x, full, back, dtypes, gather):
+    # A scalar residual: only x's dtype is needed (a zero of x's size would be kept alive).
+    return _reshard_cast(x, full, back, dtypes, gather), jax.numpy.zeros((), x.dtype)
 
 
-def _reshard_cast_bwd(full, dtypes, gather, like, ct):
-    # Widened (or narrowed) to reduce_dtype first: the reshard back to the
-    # parameter's sharding is where an unreduced cotangent is summed.
-    summed = jax.sharding.reshard(ct.astype(dtypes[2]), jax.typeof(like).sharding)
+def _reshard_cast_bwd(full, back, dtypes, gather, like, ct):
+    # Cast to reduce_dtype first: the reshard back to the parameter's sharding is
+    # where an unreduced cotangent is summed.
+    summed = jax.sharding.reshard(ct.astype(dtypes[2]), back)
     return (summed.astype(like.dtype),)
 
 
@@ -104,7 +105,8 @@ def _cast_leaf(x: Any, policy: WireDtypes, reduced: bool) -> Any:
         reduced=frozenset(sharding.spec.reduced) | frozenset(extra),
     )
     dtypes = tuple(map(np.dtype, (policy.gather_dtype, policy.compute_dtype, policy.reduce_dtype)))
-    return _reshard_cast(x, jax.sharding.NamedSharding(mesh, full), dtypes, gather)
+    full_sharding = jax.sharding.NamedSharding(mesh, full)
+    return _reshard_cast(x, full_sharding, sharding, dtypes, gather)
 
 
 def check_matmul_operands(matmul_operands: Any) -> None:
