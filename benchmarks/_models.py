@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -124,24 +124,67 @@ class _Block(nn.Module):
         return x + h
 
 
+class _OneHotEmbed(nn.Module):
+    """``nn.Embed``'s table (same name, shape and init), read by a one-hot product.
+
+    Under explicit sharding (``AxisType.Explicit``) a table gather by
+    batch-sharded tokens has no output sharding JAX can infer; a product has.
+    """
+
+    num_embeddings: int
+    features: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+        shape = (self.num_embeddings, self.features)
+        table = self.param("embedding", init, shape, self.param_dtype)
+        dtype = self.dtype or table.dtype
+        return jax.nn.one_hot(tokens, self.num_embeddings, dtype=dtype) @ table.astype(dtype)
+
+
 class GPT(nn.Module):
     """Token + position embedding, ``n_layers`` pre-LN blocks, final LN, untied LM head."""
 
     config: GPTConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    # Not a field: OneHotGPT sets it (Flax modules are dataclasses).
+    one_hot: ClassVar[bool] = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         kw = {"dtype": self.dtype, "param_dtype": self.param_dtype}
-        x = nn.Embed(c.vocab, c.d_model, **kw)(tokens)
+        if self.one_hot:
+            x = _OneHotEmbed(c.vocab, c.d_model, name="Embed_0", **kw)(tokens)
+        else:
+            x = nn.Embed(c.vocab, c.d_model, **kw)(tokens)
         pos = self.param("pos_embedding", nn.initializers.normal(0.02), (c.seq, c.d_model))
+        if self.one_hot:
+            # Positions shaped (and sharded) like the tokens: the product's gradient
+            # is then a sum over the batch, as the products of a reduced value must be.
+            positions = jnp.zeros_like(tokens) + jnp.arange(c.seq, dtype=tokens.dtype)
+            pos = jax.nn.one_hot(positions, c.seq, dtype=pos.dtype) @ pos
         x = x + jnp.asarray(pos, x.dtype)
         for _ in range(c.n_layers):
             x = _Block(c, **kw)(x)
         x = nn.LayerNorm(**kw)(x)
         return nn.Dense(c.vocab, **kw)(x)
+
+
+class OneHotGPT(GPT):
+    """The GPT with both embeddings read by one-hot products (the same parameters and values).
+
+    For meshes of ``AxisType.Explicit`` axes: there a table gather by batch-sharded
+    tokens has no output sharding JAX can infer, and a parameter typed ``reduced``
+    (``policy.cast_to_compute(..., matmul_operands=...)``) meets batch-sharded
+    values in products only.
+    """
+
+    one_hot: ClassVar[bool] = True
 
 
 def gpt_batch(config: GPTConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -171,6 +214,9 @@ def gpt_loss_fn(model: GPT) -> Any:
     def loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         logits = model.apply({"params": params}, batch["inputs"]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits)
+        if model.one_hot:  # no gather by batch-sharded indices under explicit sharding
+            hot = jax.nn.one_hot(batch["targets"], logp.shape[-1], dtype=logp.dtype)
+            return -jnp.mean(jnp.sum(logp * hot, axis=-1))
         picked = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)
         return -jnp.mean(picked)
 

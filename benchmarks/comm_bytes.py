@@ -12,7 +12,10 @@ layouts:
 
 For each setting (float32; a policy cast ``policy.cast_to_compute``; autocast
 with ``"mixed_bfloat16"``, each also with ``reduce=bfloat16``; autocast with
-``"mixed_float8"``) ``jaxamp.communication_report`` lists the collectives of
+``"mixed_float8"``; and, ``fsdp`` only, the policy cast on a mesh of
+``AxisType.Explicit`` axes, ``policy_cast_bf16_explicit``: the GPT's embeddings
+read by one-hot products, ``benchmarks._models.OneHotGPT``, and its matrices
+passed as ``matmul_operands``) ``jaxamp.communication_report`` lists the collectives of
 the program as the SPMD partitioner leaves it (backend-independent): bytes per
 parameter by kind and dtype, for ``tp`` also in units of one bfloat16
 ``[batch, seq, d_model]`` activation. Nothing runs; the arguments are
@@ -25,6 +28,7 @@ collectives and ``memory_analysis()`` are recorded next to the partitioner's.
 
     python -m benchmarks.comm_bytes            # 8 CPU devices (set in the script)
     python -m benchmarks.comm_bytes --smoke    # a tiny GPT, seconds
+    python -m benchmarks.comm_bytes --settings policy_cast_bf16_explicit  # some settings
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from jax.sharding import NamedSharding
 
 import jaxamp
 from benchmarks import _harness
-from benchmarks._models import GPT, GPTConfig, gpt_loss_fn
+from benchmarks._models import GPT, GPTConfig, OneHotGPT, gpt_loss_fn
 from benchmarks._sharding import LAYOUTS, TP_SPECS, batch_spec, param_specs
 from jaxamp._wire._collectives import report_from_hlo
 
@@ -68,6 +72,18 @@ def _policy_cast(spec: str) -> Callable[[Callable], Callable]:
     return lambda loss: lambda params, batch: loss(policy.cast_to_compute(params), batch)
 
 
+def _matrices(path: tuple, x: Any) -> bool:
+    # What products alone read: the GPT's matrices but its attention biases ([heads, dim]).
+    return x.ndim >= 2 and getattr(path[-1], "key", None) != "bias"
+
+
+def _policy_cast_explicit(spec: str) -> Callable[[Callable], Callable]:
+    policy = jaxamp.get_policy(spec)
+    return lambda loss: (
+        lambda params, batch: loss(policy.cast_to_compute(params, matmul_operands=_matrices), batch)
+    )
+
+
 SETTINGS: dict[str, Callable[[Callable], Callable]] = {
     "float32": lambda loss: loss,
     "policy_cast_bf16": _policy_cast("mixed_bfloat16"),
@@ -75,7 +91,11 @@ SETTINGS: dict[str, Callable[[Callable], Callable]] = {
     "autocast_bf16": lambda loss: jaxamp.autocast(loss, "mixed_bfloat16"),
     "autocast_bf16_reduce_bf16": lambda loss: jaxamp.autocast(loss, jaxamp.get_policy(REDUCE_BF16)),
     "autocast_fp8": lambda loss: jaxamp.autocast(loss, "mixed_float8"),
+    "policy_cast_bf16_explicit": _policy_cast_explicit("mixed_bfloat16"),
 }
+# Settings on a mesh of AxisType.Explicit axes, FSDP only (tensor parallelism's
+# row-parallel products would need out_sharding= in the model).
+EXPLICIT = {"policy_cast_bf16_explicit"}
 SMOKE_SETTINGS = ["float32", "autocast_bf16"]
 
 
@@ -91,7 +111,7 @@ def sharded_step(config: GPTConfig, setting: str, layout: str, mesh: Any) -> tup
     """The jitted SGD step and its abstract sharded arguments."""
     # dtype=None: each layer computes in its inputs' dtype, so that a policy cast of
     # the params is what the matmuls see (dtype=float32 would cast them back).
-    model = GPT(config, dtype=None)
+    model = (OneHotGPT if setting in EXPLICIT else GPT)(config, dtype=None)
     tokens = jax.ShapeDtypeStruct((1, config.seq), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     loss = SETTINGS[setting](gpt_loss_fn(model))
@@ -164,20 +184,29 @@ def _tpu_view(config: GPTConfig, setting: str, layout: str, mesh: Any, act: int)
     }
 
 
+def _mesh(setting: str) -> Any:
+    kind = jax.sharding.AxisType.Explicit if setting in EXPLICIT else jax.sharding.AxisType.Auto
+    return jax.make_mesh((N_DEVICES,), ("d",), axis_types=(kind,))
+
+
 def measure(config: GPTConfig, settings: Sequence[str]) -> list[dict[str, Any]]:
-    mesh = jax.make_mesh((N_DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     tpu_mesh = _tpu_mesh()
     activation = config.batch * config.seq * config.d_model * 2
     results = []
     for layout in LAYOUTS:
         for setting in settings:
+            if setting in EXPLICIT and layout != "fsdp":
+                continue
+            mesh = _mesh(setting)
             jitted, args = sharded_step(config, setting, layout, mesh)
+            with jax.set_mesh(mesh):  # an explicit mesh's reshards read it
+                report = jaxamp.communication_report(jitted, *args)
             row = {
                 "layout": layout,
                 "setting": setting,
-                "partitioned": summarize(jaxamp.communication_report(jitted, *args), activation),
+                "partitioned": summarize(report, activation),
             }
-            if tpu_mesh is not None:
+            if tpu_mesh is not None and setting not in EXPLICIT:
                 try:
                     row["tpu_final"] = _tpu_view(config, setting, layout, tpu_mesh, activation)
                 except jax.errors.JaxRuntimeError as e:  # recorded, the other rows still run
@@ -203,22 +232,36 @@ def table(results: list[dict[str, Any]]) -> str:
     return _harness.format_table(headers, rows)
 
 
+def _settings_argument(parser: Any) -> None:
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help=f"comma-separated settings to run (default: all): {', '.join(SETTINGS)}",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = _harness.parse_args(__doc__.splitlines()[0], argv)
+    args = _harness.parse_args(__doc__.splitlines()[0], argv, _settings_argument)
     if len(jax.devices()) < N_DEVICES:
         raise SystemExit(f"needs {N_DEVICES} devices (XLA_FLAGS is set before jax is imported)")
     config = SMOKE_CONFIG if args.smoke else CONFIG
+    settings = SMOKE_SETTINGS if args.smoke else list(SETTINGS)
+    if args.settings:
+        settings = args.settings.split(",")
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise SystemExit(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
     run_config = {
         "gpt": config.__dict__,
         "n_params": config.n_params(),
         "devices": N_DEVICES,
         "layouts": {"fsdp": "largest dim sharded, batch sharded", "tp": str(TP_SPECS)},
-        "settings": SMOKE_SETTINGS if args.smoke else list(SETTINGS),
+        "settings": settings,
         "view": "after SPMD partitioning (communication_report); tpu_final: the TPU "
         f"program compiled ahead of time for {TPU_TOPOLOGY} when libtpu is importable",
         "libtpu": importlib.util.find_spec("libtpu") is not None,
     }
-    results = measure(config, SMOKE_SETTINGS if args.smoke else list(SETTINGS))
+    results = measure(config, settings)
     print(table(results))
     return _harness.save(NAME, NAME, args, run_config, results)
 

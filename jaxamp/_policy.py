@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxamp._casting import DTYPE_ALIASES, canonical_float_dtype, cast_floating
+from jaxamp._wire import _explicit
 from jaxamp._wire._warnings import warn_unhonoured_wire_dtypes
 
 __all__ = ["Policy", "get_policy", "policy_for_device"]
@@ -94,17 +95,44 @@ class Policy:
         """Casts the floating leaves of ``tree`` to ``param_dtype``."""
         return cast_floating(tree, self.param_dtype)
 
-    def cast_to_compute(self, tree: Any) -> Any:
+    def cast_to_compute(self, tree: Any, *, matmul_operands: Any = None) -> Any:
         """Casts the floating leaves of ``tree`` to ``compute_dtype``.
 
-        In a traced program over several devices (``jax.jit`` of sharded arrays,
-        ``shard_map``) the cast cannot choose what crosses the wire: the
-        partitioner gathers the cast shard, and a weight gradient is reduced in
-        the result dtype of the product that computes it. Where that differs
-        from ``gather_dtype`` or ``reduce_dtype`` it warns
-        (:class:`jaxamp.WireDtypeWarning`); see the policies page, "Across devices".
+        In a traced program over several devices the cast may not choose what
+        crosses the wire. Under ``jax.jit`` of a mesh of ``AxisType.Auto`` axes
+        (and inside ``shard_map``) the partitioner gathers the cast shard, and a
+        weight gradient is reduced in the result dtype of the product that
+        computes it; where that differs from ``gather_dtype`` or
+        ``reduce_dtype`` it warns (:class:`jaxamp.WireDtypeWarning`). Under a
+        mesh of ``AxisType.Explicit`` axes it honours both: a leaf sharded over
+        the mesh is gathered here in ``gather_dtype`` (its gradient
+        reduce-scattered in ``reduce_dtype``), and a leaf ``matmul_operands``
+        selects is typed ``reduced``, so its gradient is summed at this cast's
+        transpose, in ``reduce_dtype``. See the policies page, "Across devices".
+
+        Args:
+          tree: a pytree; non-floating leaves come back unchanged.
+          matmul_operands: under an explicit mesh, the leaves that products
+            alone read (``jnp.dot``, ``einsum``, ``lax.dot_general``): ``True``
+            for all, or a callable ``(path, leaf) -> bool`` over
+            ``jax.tree_util`` key paths. A ``reduced`` value cannot meet a
+            batch-sharded one elementwise (JAX raises a sharding type error at
+            a bias add), so biases and norm scales are left out; their gradients
+            are reduced in the compute dtype. Ignored elsewhere.
+
+        Returns:
+          ``tree`` with its floating leaves in ``compute_dtype``.
+
+        Raises:
+          TypeError: ``matmul_operands`` is not None, a bool or a callable.
         """
-        warn_unhonoured_wire_dtypes(self, jax.tree.leaves(tree))
+        _explicit.check_matmul_operands(matmul_operands)
+        leaves = jax.tree.leaves(tree)
+        if _explicit.explicit_mesh(leaves) is not None:
+            if matmul_operands is None:
+                warn_unhonoured_wire_dtypes(self, leaves, explicit=True)
+            return _explicit.cast_explicit(tree, self, matmul_operands)
+        warn_unhonoured_wire_dtypes(self, leaves)
         return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:

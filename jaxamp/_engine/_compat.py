@@ -42,6 +42,7 @@ __all__ = [
     "eqn_has_subjaxprs",
     "equation_context",
     "float0_zeros",
+    "has_reduced_types",
     "hi_primitive_expansion",
     "is_float0",
     "jit_parts",
@@ -52,6 +53,7 @@ __all__ = [
     "scatter_parts",
     "shard_map_parts",
     "source_frames",
+    "spec_partitions",
     "sub_closed_jaxprs",
     "tracks_variance",
     "vary_like",
@@ -407,3 +409,18 @@ def vary_like(out: Any, *inputs: Any) -> Any:
     if not missing:
         return out
     return jax.lax.pcast(out, tuple(sorted(missing)), to="varying")
+
+
+def has_reduced_types() -> bool:
+    """Whether ``PartitionSpec`` takes ``reduced=`` (explicit sharding's unreduced gradients).
+
+    jax 0.10.2 to 0.12 do; a JAX without it cannot place a gradient reduction
+    after a cast, so ``Policy.cast_to_compute`` keeps its warning there.
+    """
+    return hasattr(jax.sharding.PartitionSpec(), "reduced")
+
+
+def spec_partitions(spec: Any) -> tuple:
+    """The per-dim entries of a ``PartitionSpec`` (``spec.partitions``: ``*spec`` raises
+    once the spec has a ``reduced`` or ``unreduced`` set)."""
+    return tuple(getattr(spec, "partitions", spec))

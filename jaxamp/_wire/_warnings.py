@@ -85,17 +85,50 @@ def _partitioned_or_manual(values: list) -> str | None:
     return "shard_map" if any(compat.tracks_variance(a) for a in manual) else None
 
 
-def warn_unhonoured_wire_dtypes(policy: WireDtypes, values: list, autocast_of: str = "") -> None:
+# Where policy.cast_to_compute honours both wire dtypes (the policies page, "Across devices").
+EXPLICIT_MESH = (
+    "a mesh of AxisType.Explicit axes (jax.make_mesh(shape, names, "
+    "axis_types=(jax.sharding.AxisType.Explicit,) * len(names)) under jax.set_mesh, "
+    "on jax >= 0.10.2, whose PartitionSpec takes reduced=), where "
+    "policy.cast_to_compute(params, matmul_operands=...) gathers in gather_dtype and "
+    "reduces the gradients of the leaves products read in reduce_dtype"
+)
+
+
+def _fix(program: str, by_cast: bool, explicit: bool) -> str:
+    # What honours the policy in ``program``: named in the warning.
+    if explicit:
+        return (
+            "say which leaves only products read (jnp.dot, einsum), whose gradients "
+            "are then reduced at the cast in reduce_dtype: "
+            "policy.cast_to_compute(params, matmul_operands=lambda path, x: ...) "
+            "(True for all)"
+        )
+    if program == "shard_map":
+        return "jaxamp.gather_params(shards, policy, axis_name) gathers and reduces by the policy"
+    if by_cast:
+        return (
+            "jaxamp.autocast(fn, policy) owns the products and reduces in reduce_dtype, "
+            "jaxamp.gather_params inside shard_map honours both, and so does " + EXPLICIT_MESH
+        )
+    return "gather the shards inside shard_map (jaxamp.gather_params, or jax.lax.all_gather)"
+
+
+def warn_unhonoured_wire_dtypes(
+    policy: WireDtypes, values: list, autocast_of: str = "", explicit: bool = False
+) -> None:
     """Warns (:class:`WireDtypeWarning`) where ``policy``'s wire dtypes cannot take effect.
 
     ``values`` are cast by ``policy.cast_to_compute`` (neither wire dtype can be
-    chosen there), or by ``autocast`` of the function named ``autocast_of``
-    (under ``jax.jit`` only ``gather_dtype`` cannot).
+    chosen there, but for a mesh of explicit axes, ``explicit``, where the cast
+    gathers and only ``reduce_dtype`` waits for ``matmul_operands``), or by
+    ``autocast`` of the function named ``autocast_of`` (under ``jax.jit`` only
+    ``gather_dtype`` cannot).
     """
     by_cast = not autocast_of
     compute = np.dtype(policy.compute_dtype)
     wrong, accept = [], "policy"
-    if np.dtype(policy.gather_dtype) != compute:
+    if np.dtype(policy.gather_dtype) != compute and not explicit:
         wrong.append(
             f"parameters are all-gathered in {compute.name} (the dtype of the cast "
             f"shards), not gather_dtype={np.dtype(policy.gather_dtype).name}"
@@ -110,22 +143,14 @@ def warn_unhonoured_wire_dtypes(policy: WireDtypes, values: list, autocast_of: s
         accept += f".with_reduce_dtype({compute.name!r})"
     if not wrong:
         return  # checked first: most policies never look at the trace's mesh
-    program = _partitioned_or_manual(values)
+    program = "jax.jit, explicit mesh" if explicit else _partitioned_or_manual(values)
     if program is None or (program == "shard_map" and not by_cast):
         return
     who = "policy.cast_to_compute" if by_cast else f"jaxamp.autocast({autocast_of})"
-    if program == "shard_map":
-        fix = "jaxamp.gather_params(shards, policy, axis_name) gathers and reduces by the policy"
-    elif by_cast:
-        fix = (
-            "jaxamp.autocast(fn, policy) owns the products and reduces in reduce_dtype, "
-            "and jaxamp.gather_params inside shard_map honours both"
-        )
-    else:
-        fix = "gather the shards inside shard_map (jaxamp.gather_params, or jax.lax.all_gather)"
     warnings.warn(
         f"{who} in a program over several devices ({program}): {'; '.join(wrong)}. "
-        f"To honour the policy: {fix}. To accept what is sent, say so in the policy: {accept}.",
+        f"To honour the policy: {_fix(program, by_cast, explicit)}. "
+        f"To accept what is sent, say so in the policy: {accept}.",
         WireDtypeWarning,
         stacklevel=3,
     )

@@ -130,7 +130,15 @@ def _one(measured, name):
         # A hand cast: the gradient is reduced in the product's bfloat16, the policy says float32.
         (
             "cast, default policy",
-            ["reduce_dtype=float32", "jaxamp.autocast(fn, policy)"],
+            [
+                "reduce_dtype=float32",
+                "jaxamp.autocast(fn, policy)",
+                # Where the cast itself would honour the policy (test_explicit_reduction.py).
+                "AxisType.Explicit",
+                "jax >= 0.10.2",
+                "jax.set_mesh",
+                "matmul_operands",
+            ],
             ["bfloat16"],
         ),
         ("cast, reduce=bfloat16", None, ["bfloat16"]),

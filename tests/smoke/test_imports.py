@@ -36,6 +36,10 @@ UPWARD: dict[tuple[str, str], str] = {
         "Policy.cast_to_compute warns where its wire dtypes cannot take effect; "
         "_warnings is a leaf that reads a policy through a protocol"
     ),
+    ("jaxamp._policy", "jaxamp._wire._explicit"): (
+        "Policy.cast_to_compute gathers and places the gradient reduction under an explicit "
+        "mesh; _explicit is a leaf that reads a policy through _warnings' protocol"
+    ),
 }
 
 

@@ -155,6 +155,21 @@ def test_casting_methods_and_module_kwargs():
     assert p.with_compute_dtype("bf16").compute_dtype == BF16
 
 
+def test_matmul_operands_is_checked_and_changes_nothing_off_an_explicit_mesh():
+    # Off a mesh of several explicit devices the cast is the plain cast, bit for bit.
+    p = get_policy("mixed_bfloat16")
+    tree = {"w": jnp.linspace(-3.0, 3.0, 6, dtype=F32).reshape(2, 3), "b": jnp.ones(3, F32)}
+    for operands in (True, lambda path, x: x.ndim >= 2):
+        got = jax.jit(lambda t, o=operands: p.cast_to_compute(t, matmul_operands=o))(tree)
+        want = p.cast_to_compute(tree)
+        assert all(
+            g.dtype == w.dtype == BF16 and bool(jnp.array_equal(g, w))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+        )
+    with pytest.raises(TypeError, match="matmul_operands must be None, a bool or a callable"):
+        p.cast_to_compute(tree, matmul_operands="kernel")
+
+
 ROLES = ("param", "compute", "output")
 
 
