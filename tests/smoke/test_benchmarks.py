@@ -83,6 +83,7 @@ def test_step_overhead_smoke(tmp_path):
         assert r["min_s"] <= r["median_s"] and _positive(r["ratio_median"])
 
 
+@pytest.mark.slow  # compiles every setting's step (about 25 s of CPU)
 def test_activation_memory_smoke(tmp_path):
     out = tmp_path / "memory.json"
     activation_memory.main(["--smoke", "--out", str(out)])
@@ -110,6 +111,7 @@ def test_activation_memory_smoke(tmp_path):
     assert remat["total"] < results["mixed_bf16_autocast"]["residual_bytes"]["total"]
 
 
+@pytest.mark.slow  # compiles and times every setting (about 35 s of CPU)
 def test_autocast_cpu_speed_smoke(tmp_path):
     out = tmp_path / "cpu_speed.json"
     # Flax's bfloat16 LayerNorm mixes dtypes inside flax, which strict promotion rejects.
@@ -174,6 +176,7 @@ def test_follow_rule_smoke(tmp_path):
         assert _positive(r["ratio_to_float32"]) and len(r["per_round_ms"]) == 2
 
 
+@pytest.mark.slow  # every recipe's step at smoke size (about 50 s of CPU)
 def test_gpu_speed_smoke(tmp_path):
     out = tmp_path / "gpu.json"
     gpu_speed.main(["--smoke", "--out", str(out)])

@@ -293,6 +293,7 @@ def test_charlm_text_and_alignment():
     assert dims["width"] == 64 and dims["mlp"] == 256
 
 
+@pytest.mark.slow  # two charlm runs (about 30 s); tests/unit covers the optimizer's modes
 def test_charlm_low_precision_rounding_modes(tmp_path):
     argv = ["--fast", "--no-progress", "--out", str(tmp_path), "--steps", "2"]
     with jax.numpy_dtype_promotion("standard"):
@@ -328,6 +329,7 @@ def test_fp8_fidelity_fast_runs_an_fp8_recipe_next_to_bfloat16(tmp_path):
     assert (tmp_path / "fp8_fidelity.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # three runs (about 50 s); the FP8 smoke above runs the same script in CI
 def test_fp8_fidelity_fast_runs_fp4_on_the_moe_model_and_not_on_digits(tmp_path):
     fidelity = importlib.import_module("fp8_fidelity")
     setups = "autocast_bfloat16,autocast_mxfp4_ceil"
