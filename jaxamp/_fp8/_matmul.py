@@ -12,7 +12,8 @@ torchao). A weight (a parameter: autocast's PLAIN operand) is quantized once:
 the input-gradient product reuses its forward codes (``_input_gradient``:
 rowwise folds the weight's scales into the gradient, square tiles (blockwise's
 128x128, mxfp8's 32x32) are the same tiles transposed (``_tiles.py``); under
-the native GEMM they are requantized from the codes, exactly), so that a sharded weight is all-gathered once per step, in float8.
+the native GEMM they are requantized from the codes, exactly), so that a
+sharded weight is all-gathered once per step, in float8.
 Under tensorwise scaling, whose groups do not depend on the contracting dim,
 the forward's float8 operands are saved and the backward products contract
 them along the other dim.
