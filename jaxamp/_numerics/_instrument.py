@@ -113,9 +113,10 @@ def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], k: int, scope: Sco
     """``(Ref, repeat)`` of the input's measurement for output ``k`` of a
     value-preserving primitive (its statistics pass on), else None (measure)."""
     name = eqn.primitive.name
+    widening = scope.screen and name == "convert_element_type" and _widens(ins[0].value, outs[0])
     if name in PER_OPERAND and len(ins) == len(outs):
         source_val = ins[k]  # output k is operand k
-    elif name in _SAME_VALUES and len(outs) == 1 and ins:
+    elif (name in _SAME_VALUES and len(outs) == 1 and ins) or widening:
         source_val = ins[0]
     else:
         return None
@@ -123,9 +124,26 @@ def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], k: int, scope: Sco
     if stats is None or stats.scope is not scope:
         return None
     source, out = source_val.value, outs[k]
-    if np.dtype(source.dtype) != np.dtype(out.dtype):
+    if np.dtype(source.dtype) != np.dtype(out.dtype) and not widening:
         return None
     return stats, max(out.size, 1) // max(source.size, 1)
+
+
+def _widens(source: Any, out: Any) -> bool:
+    """Whether casting ``source`` to ``out``'s dtype keeps every value (float16 or
+    bfloat16 to float32): in the screening pass the output's largest magnitude and
+    inf/NaN are its input's, so it is not reduced again. (The full pass measures it:
+    its underflow and loss are counted against float32's range, not the input's.)"""
+    if not (is_floating(source) and is_floating(out)):
+        return False
+    src, dst = jnp.finfo(source.dtype), jnp.finfo(out.dtype)
+    return (
+        src.bits >= 16  # not float8/float4: their saturation is counted per dtype
+        and dst.bits > src.bits
+        and dst.nmant >= src.nmant
+        and dst.maxexp >= src.maxexp
+        and dst.minexp <= src.minexp
+    )
 
 
 class AllFinite(tuple):

@@ -79,7 +79,8 @@ def test_screen_flags_exactly_when_the_full_report_holds_an_inf_or_nan(name):
         assert report == full  # the full pass ran on the same inputs
         assert str(report) == str(full)
     else:
-        assert report == _without_float32(full)
+        # repr: NaN equals NaN there (dataclass equality compares fields with == on 3.13)
+        assert repr(report) == repr(_without_float32(full))
         assert report.first_nonfinite is None and report.suggested_loss_scale is None
         assert all(math.isnan(op.max_abs_float32) for op in report.ops)
         assert report.most_underflow() == []
@@ -129,7 +130,7 @@ def test_monitor_host_and_in_step_forms_deliver_the_screened_report(gain):
     want = full if full.nonfinite_ops else _without_float32(full)
     assert want.screened is (gain == 1.0)
     assert [s for s, _ in host] == [0, 2] and [s for s, _ in in_step] == [0, 2]
-    assert all(r == want for _, r in host)
+    assert all(repr(r) == repr(want) for _, r in host)
     # In the step XLA compiles with the step's options: the same sites, the same verdict.
     for _, r in in_step:
         assert r.screened is want.screened
