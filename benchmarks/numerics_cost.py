@@ -383,7 +383,8 @@ def _where(args: Any, names: list[str], repeats: int) -> dict[str, Any]:
         loss = jaxamp.autocast(fun, POLICY)
         results.append(_numerics_parts.measure(name, loss, params, batch, repeats))
     print(_numerics_parts.table(results))
-    config = {"policy": POLICY, "repeats": repeats, "variants": list(_numerics_parts.VARIANTS)}
+    variants = [*_numerics_parts.VARIANTS, *_numerics_parts.FIRINGS]
+    config = {"policy": POLICY, "repeats": repeats, "variants": variants}
     return _harness.save(NAME, f"{NAME}_where", args, config, results)
 
 

@@ -92,12 +92,20 @@ class Compiled(NamedTuple):
     sites: list  # its catalog (what each row of its statistics is)
     paths: list[str]  # the argument path of each array input, for naming non-finite ones
     graph: SiteGraph  # the data flow between sites: which inf/NaN reach the outputs
+    # The screening pass (``_program._screening``; traced: ``_screened``): run(*inputs)
+    # -> (floats, ints, finite, found), found: an inf/NaN (traced: the tables are the
+    # full program's).
+    screen: bool = False
 
-    def report(self, floats, ints, finite, scale: float | None) -> NumericsReport:
-        """The report from one run's statistics (host arrays); ``scale``: the loss scale."""
+    def report(
+        self, floats, ints, finite, scale: float | None, full: bool = True
+    ) -> NumericsReport:
+        """The report from one run's statistics (host arrays); ``scale``: the loss scale;
+        ``full``: False for the statistics of the screening pass alone."""
         flags = np.asarray(finite)
         bad = tuple(p for p, ok in zip(self.paths, flags, strict=False) if not ok)
-        return summarise(self.sites, self.graph, np.asarray(floats), np.asarray(ints), scale, bad)
+        floats, ints = np.asarray(floats), np.asarray(ints)
+        return summarise(self.sites, self.graph, floats, ints, scale, bad, screened=not full)
 
 
 _CACHE: collections.OrderedDict[Hashable, Compiled] = collections.OrderedDict()

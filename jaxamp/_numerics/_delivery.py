@@ -67,6 +67,8 @@ class Delivery:
                         self._error = error
 
     def _deliver(self, step: int, compiled: Compiled, outputs: Any, seed: Any) -> None:
-        floats, ints, finite = jax.device_get(outputs)
+        # A screened program also says whether its full pass ran (``_program._screened``).
+        floats, ints, finite, *full = jax.device_get(outputs)
         scale = None if seed is None else float(jax.device_get(seed))
-        self._report_to(step, compiled.report(floats, ints, finite, scale))
+        report = compiled.report(floats, ints, finite, scale, *(bool(f) for f in full))
+        self._report_to(step, report)

@@ -113,9 +113,10 @@ def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], k: int, scope: Sco
     """``(Ref, repeat)`` of the input's measurement for output ``k`` of a
     value-preserving primitive (its statistics pass on), else None (measure)."""
     name = eqn.primitive.name
+    widening = scope.screen and name == "convert_element_type" and _widens(ins[0].value, outs[0])
     if name in PER_OPERAND and len(ins) == len(outs):
         source_val = ins[k]  # output k is operand k
-    elif name in _SAME_VALUES and len(outs) == 1 and ins:
+    elif (name in _SAME_VALUES and len(outs) == 1 and ins) or widening:
         source_val = ins[0]
     else:
         return None
@@ -123,9 +124,26 @@ def _moved_from(eqn, ins: Sequence[Val], outs: Sequence[Any], k: int, scope: Sco
     if stats is None or stats.scope is not scope:
         return None
     source, out = source_val.value, outs[k]
-    if np.dtype(source.dtype) != np.dtype(out.dtype):
+    if np.dtype(source.dtype) != np.dtype(out.dtype) and not widening:
         return None
     return stats, max(out.size, 1) // max(source.size, 1)
+
+
+def _widens(source: Any, out: Any) -> bool:
+    """Whether casting ``source`` to ``out``'s dtype keeps every value (float16 or
+    bfloat16 to float32): in the screening pass the output's largest magnitude and
+    inf/NaN are its input's, so it is not reduced again. (The full pass measures it:
+    its underflow and loss are counted against float32's range, not the input's.)"""
+    if not (is_floating(source) and is_floating(out)):
+        return False
+    src, dst = jnp.finfo(source.dtype), jnp.finfo(out.dtype)
+    return (
+        src.bits >= 16  # not float8/float4: their saturation is counted per dtype
+        and dst.bits > src.bits
+        and dst.nmant >= src.nmant
+        and dst.maxexp >= src.maxexp
+        and dst.minexp <= src.minexp
+    )
 
 
 class AllFinite(tuple):
@@ -148,6 +166,7 @@ class Recorder:
         quantizing: str | None = None,
         materialize: bool = False,
         facts: dict | None = None,
+        shadow: bool = True,
     ):
         self.sites = sites
         self.scope = scope
@@ -157,6 +176,8 @@ class Recorder:
         self.materialize = materialize  # each measured value computed once (``measure``)
         # id of the value an FP4 cast reads -> (it, its quantization's ``Facts``): ``unmeasured``
         self.facts = {} if facts is None else facts
+        # False: the screening pass (``instrumented(shadow=False)``), no float32 twins.
+        self.shadow = shadow
 
     def now(self) -> Any:
         """The clock as one (traced) int32."""
@@ -164,9 +185,16 @@ class Recorder:
         return jnp.asarray(base, jnp.int32) + offset
 
     def child(self, keys, packed, clock, iteration) -> Recorder:
-        scope = Scope(keys, packed, iteration, self.scope.stack_max)
+        scope = Scope(keys, packed, iteration, self.scope.stack_max, self.scope.screen)
         return Recorder(
-            self.sites, scope, clock, self.reached, self.quantizing, self.materialize, self.facts
+            self.sites,
+            scope,
+            clock,
+            self.reached,
+            self.quantizing,
+            self.materialize,
+            self.facts,
+            self.shadow,
         )
 
     def keys_under(self, prefix: tuple) -> list[tuple]:
@@ -191,8 +219,11 @@ class Recorder:
         outs = compat.bind_eqn(eqn, [v.value for v in ins])
         if not ins:  # iota and friends: constants too (see _lift)
             outs = list(jax.lax.optimization_barrier(outs))
-        shadows = shadow_outputs(eqn, ins, outs)
-        locals_ = local_twins(eqn, ins, outs, shadows)
+        if self.shadow:
+            shadows = shadow_outputs(eqn, ins, outs)
+            locals_ = local_twins(eqn, ins, outs, shadows)
+        else:  # the screening pass: the 16-bit program and its own statistics only
+            shadows = locals_ = [None] * len(outs)
         if self.materialize:
             # Each value, shadow and twin in a buffer of its own: XLA would otherwise
             # compute a chain of them again inside every kernel that stacks one for
@@ -376,16 +407,20 @@ _RULES: dict[str, Callable] = control.structured_rules(
 )
 
 
-def instrumented(closed, sites: Sequence[Site], materialize: bool = False) -> Callable:
+def instrumented(
+    closed, sites: Sequence[Site], materialize: bool = False, shadow: bool = True
+) -> Callable:
     """A jitted function of the program's arguments returning ``(floats, ints)`` per site;
-    ``materialize``: each measured value in a buffer of its own (``Recorder.measure``)."""
+    ``materialize``: each measured value in a buffer of its own (``Recorder.measure``);
+    ``shadow=False``: the screening pass, no float32 shadow nor local twin (the
+    statistics that need them keep their initial values: ``_summary.summarise(screened=True)``)."""
     by_key = {site.key: site for site in sites}
     keys = list(by_key)
     stack_max = stack_limit(sum(math.prod(site.shape) for site in sites))
 
     def run(*args):
-        scope = Scope(keys, empty_table(len(keys)), jnp.int32(-1), stack_max)
-        rec = Recorder(by_key, scope, 0, set(), materialize=materialize)
+        scope = Scope(keys, empty_table(len(keys)), jnp.int32(-1), stack_max, not shadow)
+        rec = Recorder(by_key, scope, 0, set(), materialize=materialize, shadow=shadow)
         rec.run(closed, _vals(args, [None] * len(args)), ())
         rec.finished([])
         missing = [key for key in keys if key not in rec.reached]

@@ -13,6 +13,10 @@ The object it returns has two forms, chosen by where it is called:
 
 A Python int ``step`` that is not a reporting step returns at once wherever it is
 called (a step function retraced per step by a static ``step`` traces nothing).
+
+With ``screen=True`` a firing runs the screening pass first and the full program
+only when it found an inf/NaN (``NumericsProgram.screened_run`` from the host
+loop, after reading its flag back; ``_program._screened``'s ``lax.cond`` in a step).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def numerics_monitor(
     grad: bool = False,
     has_aux: bool = False,
     callback: Callable[[int, NumericsReport], Any] | None = None,
+    screen: bool = False,
 ) -> NumericsMonitor:
     """A numerics report every ``every`` steps, from the host loop or inside a jitted step.
 
@@ -70,6 +75,16 @@ def numerics_monitor(
       grad: as for :func:`jaxamp.numerics_report`.
       has_aux: as for :func:`jaxamp.numerics_report`.
       callback: called on the host with the step number and the report.
+      screen: False (default): every firing runs the full report, equal to
+        :func:`jaxamp.numerics_report`'s. True: every firing first runs a
+        screening pass (the program and each op's own statistics, no float32
+        shadow nor twin, a fraction of the full report's cost); only when it
+        finds an inf/NaN (in an op or an input) does the full report run, on the
+        same inputs, in the same dispatch, and the callback gets it (equal to
+        :func:`jaxamp.numerics_report`'s). A firing that finds none delivers the
+        screen's report (``report.screened``: no float32 magnitudes, underflow
+        fractions or suggested loss scale; every other field as in the full
+        report). The form for a long run that fires often.
 
     Returns:
       A :class:`jaxamp.NumericsMonitor`: ``monitor(step, *args, loss_scale=None,
@@ -79,6 +94,7 @@ def numerics_monitor(
     Raises:
       TypeError: ``fun`` or ``callback`` is not callable, a bad ``has_aux``.
       ValueError: ``every`` is not a positive int.
+      TypeError: ``screen`` is not a bool.
 
     Inside a jitted step:
 
@@ -111,11 +127,13 @@ def numerics_monitor(
     check_options(fun, has_aux)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int (steps between reports); got {every!r}.")
+    if not isinstance(screen, bool):
+        raise TypeError(f"screen must be True or False; got {screen!r}.")
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None; got {callback!r}.")
     resolved = resolved_spec(policy) if policy is not None else None
     report_to = callback if callback is not None else _print_report
-    return NumericsMonitor(fun, every, resolved, grad, has_aux, report_to)
+    return NumericsMonitor(fun, every, resolved, grad, has_aux, report_to, screen)
 
 
 class NumericsMonitor:
@@ -136,9 +154,11 @@ class NumericsMonitor:
     [0, 10, 20]
     """
 
-    def __init__(self, fun, every: int, policy, grad: bool, has_aux: bool, report_to) -> None:
+    def __init__(
+        self, fun, every: int, policy, grad: bool, has_aux: bool, report_to, screen: bool = False
+    ) -> None:
         self.fun, self.every, self.policy = fun, every, policy
-        self.grad, self.has_aux = grad, has_aux
+        self.grad, self.has_aux, self.screen = grad, has_aux, screen
         self._report_to = report_to
         self._delivery = Delivery(report_to)
 
@@ -167,22 +187,27 @@ class NumericsMonitor:
         program = self._program(args, kwargs)
         seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
         inputs = program.inputs(seed)
-        compiled = program.compiled(inputs)
-        self._delivery.put(step, compiled, compiled.run(*inputs), seed if self.grad else None)
+        if self.screen:
+            compiled, outputs = program.screened_run(inputs)
+        else:
+            compiled = program.compiled(inputs)
+            outputs = compiled.run(*inputs)
+        self._delivery.put(step, compiled, outputs, seed if self.grad else None)
 
     def _in_step(self, step: Any, args: tuple, kwargs: dict, loss_scale: Any) -> None:
         program = self._program(args, kwargs)
         seed = jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
         inputs = program.inputs(seed)
-        traced = program.traced(inputs)
+        traced = program.traced(inputs, self.screen)
         grad, report_to = self.grad, self._report_to
 
-        def host(step, floats, ints, finite, scale):
+        def host(step, scale, floats, ints, finite, *full):
             scale = float(scale) if grad else None
-            report_to(int(step), traced.report(floats, ints, finite, scale))
+            full = [bool(f) for f in full]  # the screened program says whether it ran
+            report_to(int(step), traced.report(floats, ints, finite, scale, *full))
 
         def report(step, inputs):
-            jax.debug.callback(host, step, *traced.run(*inputs), seed)
+            jax.debug.callback(host, step, seed, *traced.run(*inputs))
 
         step = jnp.asarray(step)
         jax.lax.cond(step % self.every == 0, report, lambda *_: None, step, inputs)

@@ -119,7 +119,7 @@ class OpStats:
             f"{np.dtype(self.dtype).name}{list(self.shape)}",
             f"{self.max_abs:.3g}",
             f"{self.headroom:.2g}",
-            f"{self.underflow_fraction:.1%}",
+            _percent(self.underflow_fraction),
             f"{self.nonfinite}" + (f" (iter {it})" if it is not None else ""),
         )
 
@@ -151,6 +151,10 @@ _FP4_HEADER = (
 )
 
 
+def _percent(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{fraction:.1%}"
+
+
 def _scale_range(low: float | None, high: float | None) -> str:
     return "-" if low is None or high is None else f"{low:.3g}..{high:.3g}"
 
@@ -180,6 +184,14 @@ class NumericsReport:
         parameter and its path inside it (``"params['w1']"``), in argument order.
       absorbed: the ops that made an inf/NaN from finite inputs which never
         reaches the outputs (each with its ``nonfinite`` count), in program order.
+      screened: True for a report of :func:`jaxamp.numerics_monitor`'s screening
+        pass alone (``screen=True``, a firing that found no inf/NaN): the float32
+        shadow and twins did not run, so each op's ``max_abs_float32``,
+        ``underflow_fraction`` and ``lost_fraction`` are NaN (an FP4
+        quantization's, measured from its own input, are kept) and there is no
+        suggested loss scale; every other field is the full report's. False for
+        :func:`jaxamp.numerics_report` and for a screened firing that found an
+        inf/NaN (the full report, on the same inputs).
     """
 
     ops: tuple[OpStats, ...]
@@ -189,6 +201,7 @@ class NumericsReport:
     max_loss_scale: float | None = None
     nonfinite_inputs: tuple[str, ...] = ()
     absorbed: tuple[OpStats, ...] = ()
+    screened: bool = False
 
     def nearest_overflow(self, n: int = _ROWS) -> list[OpStats]:
         """The ``n`` ops with the largest ``headroom`` (closest to their dtype's max)."""
@@ -236,7 +249,8 @@ class NumericsReport:
         lines.append("nearest to overflow:")
         lines += _table(self.nearest_overflow())
         flushed = self.most_underflow()
-        lines.append("most underflow:" if flushed else "most underflow: none")
+        none = "not measured (screened)" if self.screened else "none"
+        lines.append("most underflow:" if flushed else f"most underflow: {none}")
         lines += _table(flushed) if flushed else []
         lines += _fp4_table(self.fp4_quantizations)
         if self.suggested_loss_scale is not None:
@@ -244,6 +258,11 @@ class NumericsReport:
                 f"suggested loss scale: {_power(self.suggested_loss_scale)} "
                 f"(largest without backward overflow {_power(self.max_loss_scale)}, "
                 f"safety factor {SAFETY_FACTOR}; measured at loss scale {self.loss_scale:g})"
+            )
+        elif self.screened:
+            lines.append(
+                "screened: no inf/NaN; the float32 shadow did not run (no float32 "
+                "magnitudes, underflow or suggested loss scale)"
             )
         elif self.loss_scale is not None:
             lines.append("loss scale: not needed (no float16 value in the backward pass)")

@@ -34,6 +34,7 @@ from jaxamp._numerics._compiled import (
 from jaxamp._numerics._flow import site_graph
 from jaxamp._numerics._instrument import all_finite_flag, instrumented
 from jaxamp._numerics._sites import catalog
+from jaxamp._numerics._stats import any_nonfinite
 
 __all__ = ["NumericsProgram", "check_options"]
 
@@ -58,11 +59,12 @@ class NumericsProgram:
         arrays = list(self.flat.arrays)
         return [*arrays, seed] if self.grad else arrays
 
-    def cache_key(self) -> Hashable | None:
+    def cache_key(self, screen: bool = False) -> Hashable | None:
         flat = self.flat
-        return cache_key(
+        key = cache_key(
             self.fun, self.policy, self.grad, self.has_aux, flat.treedef, flat.static, flat.arrays
         )
+        return key if key is None or not screen else (key, "screen")
 
     def catalogued(self, inputs: list) -> tuple[Any, list]:
         """``(closed jaxpr, sites)`` of the program on ``inputs``."""
@@ -81,50 +83,102 @@ class NumericsProgram:
         out_phases = phases() if phases else ["forward"] * len(closed.jaxpr.outvars)
         return closed, catalog(closed, tainted, out_phases)
 
-    def traced(self, inputs: list) -> Compiled:
-        """The instrumented program as a function to trace into a caller's program.
+    def traced(self, inputs: list, screen: bool = False) -> Compiled:
+        """The instrumented program as a function to trace into a caller's program;
+        ``screen``: the screened program (``_screened``).
 
         It is compiled with the caller's options, where XLA may keep a fused chain's
         16-bit values in float32: each measured value is kept in a buffer of its own,
         so every one is rounded to its dtype, as in ``compiled``."""
         closed, sites = self.catalogued(inputs)
+        program = _screened if screen else _measuring
         return Compiled(
-            _measuring(closed, sites, materialize=True),
+            program(closed, sites, materialize=True),
             sites,
             self.paths(),
             site_graph(closed, (site.key for site in sites)),
+            screen,
         )
 
-    def compiled(self, inputs: list) -> Compiled:
-        """The instrumented program compiled for ``inputs``, cached across calls."""
+    def compiled(self, inputs: list, screen: bool = False) -> Compiled:
+        """The instrumented program compiled for ``inputs``, cached across calls;
+        ``screen``: the screening pass alone (``_screening``)."""
 
         def build() -> Compiled:
             closed, sites = self.catalogued(inputs)
             values = sum(math.prod(site.shape) for site in sites)
+            program = _screening if screen else _measuring
 
             # A fresh jit per attempt: the fallback traces it again, checking every twin.
             def make() -> Callable:
-                return jax.jit(_measuring(closed, sites))
+                return jax.jit(program(closed, sites))
 
             run = compile_with_fallback(make, inputs, values)
             return Compiled(
-                run, sites, self.paths(), site_graph(closed, (site.key for site in sites))
+                run, sites, self.paths(), site_graph(closed, (site.key for site in sites)), screen
             )
 
-        return cached(self.cache_key(), build)
+        return cached(self.cache_key(screen), build)
+
+    def screened_run(self, inputs: list) -> tuple[Compiled, tuple]:
+        """``(program, outputs)``: the screening pass on ``inputs`` and, when it found an
+        inf/NaN, the full program (``compiled``, the one ``numerics_report`` runs) on
+        the same inputs; ``outputs`` end with whether the full one ran. Reading that
+        one flag back waits for the screen: the inputs are still alive here (a train
+        step that donates them has not run yet), and a clean run never compiles the
+        full program."""
+        screen = self.compiled(inputs, screen=True)
+        outputs = screen.run(*inputs)
+        if not bool(outputs[-1]):
+            return screen, outputs
+        full = self.compiled(inputs)
+        return full, (*full.run(*inputs), True)
 
     def paths(self) -> list[str]:
         return [_arg_path(self.fun, path) for path in self.flat.paths]
 
 
-def _measuring(closed, sites, materialize: bool | None = None) -> Callable:
+def _measuring(closed, sites, materialize: bool | None = None, shadow: bool = True) -> Callable:
     """``f(*inputs) -> (floats, ints, finite)``: the statistics and which inputs are finite;
     ``materialize`` (default: ``_compiled.materializes_values``): each measured value
-    in a buffer of its own."""
+    in a buffer of its own; ``shadow=False``: the screening pass (no float32 twins)."""
     if materialize is None:
         materialize = materializes_values(jax.default_backend())
-    measure = instrumented(closed, sites, materialize)
+    measure = instrumented(closed, sites, materialize, shadow)
     return lambda *a: (*measure(*a), jnp.stack([all_finite_flag(x) for x in a]))
+
+
+def _screening(closed, sites, materialize: bool | None = None) -> Callable:
+    """``f(*inputs) -> (floats, ints, finite, found)``: the screening pass (the program
+    and its own statistics, no float32 shadow nor twin) and whether it found an inf/NaN
+    in an op or an input (``found``: the full report is needed)."""
+    screen = _measuring(closed, sites, materialize, shadow=False)
+
+    def run(*inputs):
+        floats, ints, finite = screen(*inputs)
+        return floats, ints, finite, any_nonfinite(ints) | ~jnp.all(finite)
+
+    return run
+
+
+def _screened(closed, sites, materialize: bool | None = None) -> Callable:
+    """``_screening``, then, under a ``lax.cond`` and only when it found an inf/NaN,
+    the full instrumented program on the same inputs, whose statistics replace the
+    screen's (the in-step form: one traced program, no host sync)."""
+    screen = _screening(closed, sites, materialize)
+    full = _measuring(closed, sites, materialize)
+
+    def run(*inputs):
+        *table, found = screen(*inputs)
+        return jax.lax.cond(
+            found,
+            lambda args, _: (*full(*args), jnp.bool_(True)),
+            lambda _, table: (*table, jnp.bool_(False)),
+            inputs,
+            tuple(table),
+        )
+
+    return run
 
 
 def _arg_path(fun: Callable, path: tuple) -> str:

@@ -39,6 +39,7 @@ __all__ = [
     "Stat",
     "Statistic",
     "accumulate",
+    "any_nonfinite",
     "moved",
     "pack",
     "reduce_output",
@@ -92,7 +93,10 @@ class Elements:
     for every row (no twin, no float8 output) is None and not reduced.
     """
 
-    def __init__(self, outputs: Sequence[Output]):
+    def __init__(self, outputs: Sequence[Output], screen: bool = False):
+        # The screening pass: is there an inf/NaN at all, and the largest magnitude
+        # where there is none (``_abs_finite``); every count is the full pass's to give.
+        self.screen = screen
         wide = any(np.dtype(o.out.dtype).itemsize > 4 for o in outputs)
         self.dtype = np.dtype(np.float64 if wide else np.float32)
         dtypes = [np.dtype(o.out.dtype) for o in outputs]
@@ -128,6 +132,10 @@ class Elements:
 
     @functools.cached_property
     def _abs_finite(self) -> tuple[Any, Any]:
+        if self.screen:
+            # |x| unmasked: max carries an inf or NaN through to the row's result, which
+            # then flags the row (``reduce_rows``); one map and one reduction less.
+            return jax.lax.abs(self.out), None
         return _finite_abs(self.out)
 
     @property
@@ -137,10 +145,14 @@ class Elements:
 
     @property
     def nonfinite(self) -> Any:
+        if self.screen:
+            return None  # from the largest magnitude (``reduce_rows``)
         return jnp.logical_not(self._abs_finite[1]).astype(jnp.int32)
 
     @property
     def magnitude_float32(self) -> Any:
+        if self.screen:
+            return None  # no shadow ran: not reported (``_summary``)
         return _finite_abs(self.shadow)[0] if self.has_shadow else self.magnitude
 
     @functools.cached_property
@@ -297,7 +309,7 @@ STATISTICS = (
     ),
 )
 _INDEX = {s.name: i for i, s in enumerate(STATISTICS)}
-NONFINITE = _INDEX["nonfinite"]
+NONFINITE, MAX_ABS = _INDEX["nonfinite"], _INDEX["max_abs"]
 _FLOATS = [i for i, s in enumerate(STATISTICS) if s.dtype == _F32]
 _INTS = [i for i, s in enumerate(STATISTICS) if s.dtype == _I32]
 if len(_FLOATS) + len(_INTS) != len(STATISTICS):
@@ -329,6 +341,12 @@ def reduce_rows(elements: Any) -> tuple[Any, ...]:
         (1,),
     )
     columns = dict(zip(live, out, strict=True))
+    if getattr(elements, "screen", False):
+        # A row holding an inf/NaN has a non-finite largest magnitude: it counts 1 (the
+        # full pass counts them), and its magnitude is the full pass's to give.
+        bad = jnp.logical_not(jnp.isfinite(columns[MAX_ABS]))
+        columns[NONFINITE] = bad.astype(jnp.int32)
+        columns[MAX_ABS] = jnp.where(bad, jnp.zeros((), columns[MAX_ABS].dtype), columns[MAX_ABS])
     rows = elements.out.shape[0]
     return tuple(
         columns[k] if k in columns else jnp.full((rows,), s.initial, s.dtype)
@@ -376,6 +394,11 @@ def pack(stats: Sequence[Stat]) -> tuple[Any, Any]:
     floats = [[jnp.asarray(s.measured[i], jnp.float32) for i in _FLOATS] for s in stats]
     ints = [[jnp.asarray(v, jnp.int32) for v in _int_row(s)] for s in stats]
     return jnp.stack([jnp.stack(row) for row in floats]), jnp.stack([jnp.stack(r) for r in ints])
+
+
+def any_nonfinite(ints: Any) -> Any:
+    """Whether some site of ``pack``'s int32 table counted an inf/NaN (traced bool)."""
+    return jnp.any(ints[:, _INTS.index(NONFINITE)] > 0)
 
 
 def _int_row(stat: Stat) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -21,16 +22,30 @@ def summarise(
     ints,
     scale: float | None,
     nonfinite_inputs: tuple[str, ...] = (),
+    screened: bool = False,
 ) -> NumericsReport:
+    """The report; ``screened``: the statistics of the screening pass alone (no float32
+    shadow nor twin ran: the fields only they give are NaN, ``_unmeasured_float32``)."""
     ops, clocks = [], []
     for site, float_row, int_row in zip(sites, floats, ints, strict=True):
         op, clock = _op_stats(site, unpack_row(float_row, int_row))
-        ops.append(op)
+        ops.append(_unmeasured_float32(op) if screened else op)
         clocks.append(clock)
     origin, absorbed = _blame(sites, graph, ops, clocks)
-    largest = _largest_loss_scale(ops, scale)
+    largest = None if screened else _largest_loss_scale(ops, scale)
     suggested = None if largest is None else largest / SAFETY_FACTOR
-    return NumericsReport(tuple(ops), origin, suggested, scale, largest, nonfinite_inputs, absorbed)
+    return NumericsReport(
+        tuple(ops), origin, suggested, scale, largest, nonfinite_inputs, absorbed, screened
+    )
+
+
+def _unmeasured_float32(op: OpStats) -> OpStats:
+    """``op`` with NaN for what only the float32 shadow and twin give (an FP4
+    quantization's fields come from its own inputs and scales: kept)."""
+    if op.tensor_scale is not None:
+        return op
+    nan = math.nan
+    return dataclasses.replace(op, max_abs_float32=nan, underflow_fraction=nan, lost_fraction=nan)
 
 
 def _blame(sites, graph: SiteGraph, ops: list[OpStats], clocks: list[int]):

@@ -106,10 +106,16 @@ class Scope:
     """The table of the sites ``keys`` and what one evaluation measured for them."""
 
     def __init__(
-        self, keys: Sequence[tuple], table: tuple[Any, Any], iteration: Any, stack_max: float
+        self,
+        keys: Sequence[tuple],
+        table: tuple[Any, Any],
+        iteration: Any,
+        stack_max: float,
+        screen: bool = False,
     ):
         self.row = {key: i for i, key in enumerate(keys)}
         self.stack_max = stack_max  # outputs of more elements are reduced alone
+        self.screen = screen  # the screening pass: ``_stats.Elements(screen=True)``
         self.floats, self.ints = table
         self.iteration = iteration
         self.entries: list[_Entry] = []
@@ -188,7 +194,8 @@ class Scope:
         for (_, quantized, _), members in groups.items():
             order += members
             rows = [measured[i] for i in members]
-            parts.append(reduce_rows((_quantized.Elements if quantized else Elements)(rows)))
+            elements = _quantized.Elements(rows) if quantized else Elements(rows, self.screen)
+            parts.append(reduce_rows(elements))
         position = {entry: p for p, entry in enumerate(order)}
         source = np.asarray([position[e.source] for e in self.entries], np.int32)
         repeat = np.asarray([e.repeat for e in self.entries], np.int32)

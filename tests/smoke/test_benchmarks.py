@@ -278,6 +278,16 @@ def test_numerics_cost_smoke(tmp_path, capsys):
     assert "| smoke " in capsys.readouterr().out
 
 
+def test_numerics_cost_where_smoke(tmp_path, capsys):
+    out = tmp_path / "numerics_where.json"
+    numerics_cost.main(["--smoke", "--where", "--repeats", "1", "--out", str(out)])
+    (result,) = _load(out)["results"]
+    assert result["model"] == "smoke" and result["part"] == "where"
+    for variant in ("shipped", "screen", "fires", "fires screened"):
+        assert _positive(result[f"{variant} ratio"]), variant
+    assert "| smoke " in capsys.readouterr().out
+
+
 def test_low_precision_smoke(tmp_path):
     out = tmp_path / "low_precision.json"
     low_precision.main(["--smoke", "--out", str(out)])
