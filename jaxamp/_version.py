@@ -1,3 +1,3 @@
 """The single source of jaxamp's version (read by pyproject.toml too)."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
