@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -25,11 +24,11 @@ def summarise(
     screened: bool = False,
 ) -> NumericsReport:
     """The report; ``screened``: the statistics of the screening pass alone (no float32
-    shadow nor twin ran: the fields only they give are NaN, ``_unmeasured_float32``)."""
+    shadow nor twin ran: the fields only they give are NaN, ``_UNMEASURED_BY_SCREEN``)."""
     ops, clocks = [], []
     for site, float_row, int_row in zip(sites, floats, ints, strict=True):
-        op, clock = _op_stats(site, unpack_row(float_row, int_row))
-        ops.append(_unmeasured_float32(op) if screened else op)
+        op, clock = _op_stats(site, unpack_row(float_row, int_row), screened)
+        ops.append(op)
         clocks.append(clock)
     origin, absorbed = _blame(sites, graph, ops, clocks)
     largest = None if screened else _largest_loss_scale(ops, scale)
@@ -39,13 +38,9 @@ def summarise(
     )
 
 
-def _unmeasured_float32(op: OpStats) -> OpStats:
-    """``op`` with NaN for what only the float32 shadow and twin give (an FP4
-    quantization's fields come from its own inputs and scales: kept)."""
-    if op.tensor_scale is not None:
-        return op
-    nan = math.nan
-    return dataclasses.replace(op, max_abs_float32=nan, underflow_fraction=nan, lost_fraction=nan)
+# What only the float32 shadow and twin give: NaN in a screened report (an FP4
+# quantization's come from its own inputs and scales: kept).
+_UNMEASURED_BY_SCREEN = ("max_abs_float32", "underflow_fraction", "lost_fraction")
 
 
 def _blame(sites, graph: SiteGraph, ops: list[OpStats], clocks: list[int]):
@@ -60,12 +55,15 @@ def _blame(sites, graph: SiteGraph, ops: list[OpStats], clocks: list[int]):
     return origin, tuple(ops[i] for i in born if sites[i].key not in reach)
 
 
-def _op_stats(site: Site, stat) -> tuple[OpStats, int]:
-    """The site's ``OpStats`` (each statistic fills its field) and its origin clock."""
+def _op_stats(site: Site, stat, screened: bool = False) -> tuple[OpStats, int]:
+    """The site's ``OpStats`` (each statistic fills its field) and its origin clock;
+    ``screened``: NaN for the fields the screening pass does not measure."""
     executions, first_iter = int(stat.executions), int(stat.first_nonfinite_iteration)
     size = math.prod(site.shape) * executions
     measured = {s.field: s.report(v, size) for s, v in zip(STATISTICS, stat.measured, strict=True)}
     _fp4_fields(site, measured)
+    if screened and measured["tensor_scale"] is None:
+        measured.update(dict.fromkeys(_UNMEASURED_BY_SCREEN, math.nan))
     op = OpStats(
         primitive=site.primitive,
         source=site.source,
